@@ -1,0 +1,1 @@
+"""Model families in our own PyTorch, loaded from Hugging Face checkpoints."""

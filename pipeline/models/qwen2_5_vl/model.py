@@ -1,0 +1,51 @@
+"""Qwen2.5-VL: vision tower + language model + output head, as one module
+whose parameter names are the reference checkpoint's."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.models.attention import AttentionBackend
+from pipeline.models.qwen2_5_vl.config import Qwen25VLConfig
+from pipeline.models.qwen2_5_vl.text import TextModel
+from pipeline.models.qwen2_5_vl.vision import VisionTower
+from pipeline.models.qwen2_5_vl.vision_layout import Grid
+
+
+class Qwen25VL(nn.Module):
+    def __init__(self, cfg: Qwen25VLConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.visual = VisionTower(cfg.vision)
+        self.model = TextModel(cfg.text)
+        if not cfg.text.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+
+    def reset_buffers(self) -> None:
+        self.visual.reset_buffers()
+        self.model.rotary.reset_buffers()
+
+    @property
+    def image_token_id(self) -> int:
+        return self.cfg.image_token_id
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return self.cfg.vision.spatial_merge_size
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
+        """One vision forward over a packed batch; one [tokens_i, width] per image."""
+        return self.visual(pixel_values, grids)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        """Final hidden states [T, hidden] for a flat stream of T tokens."""
+        return self.model(embeds, positions, attn)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.cfg.text.tie_word_embeddings else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)

@@ -1,0 +1,96 @@
+"""The Qwen2 language model of Qwen2.5-VL with multimodal rotary (M-RoPE).
+
+Works on flat token streams: `forward(embeds [T, H], positions [3, T], attn)`,
+so the serving engine can pack prefill chunks and decodes of many requests
+into one call and splice image embeddings before it. Parameter names match
+the reference checkpoints (`model.*`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.models.attention import AttentionBackend
+from pipeline.models.layers import GatedMLP, RMSNorm, apply_rotary
+from pipeline.models.qwen2_5_vl.config import TextConfig
+
+
+class MultimodalRotary(nn.Module):
+    """M-RoPE: each frequency band takes its angle from one of the three
+    position axes (temporal, height, width), per `mrope_section`."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        axis = [i % 3 for i, n in enumerate(cfg.mrope_section) for _ in range(n)]
+        self.register_buffer("axis_of_band", torch.tensor(axis), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        dim = self.cfg.head_dim
+        return 1.0 / (self.cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+    def reset_buffers(self) -> None:
+        device = self.inv_freq.device
+        self.inv_freq = self._inv_freq().to(device)
+        axis = [i % 3 for i, n in enumerate(self.cfg.mrope_section) for _ in range(n)]
+        self.axis_of_band = torch.tensor(axis, device=device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [3, T] -> cos, sin [T, head_dim] in `dtype`."""
+        band_positions = positions.index_select(0, self.axis_of_band).T.float()  # [T, dim/2]
+        freqs = band_positions * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, attn: AttentionBackend):
+        n = x.shape[0]
+        q = apply_rotary(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        return self.o_proj(attn.attend(self.layer, q, k, v).reshape(n, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False)
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = MultimodalRotary(cfg)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        cos, sin = self.rotary(positions, embeds.dtype)
+        x = embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
