@@ -104,7 +104,13 @@ QWEN2_VL_CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) -%}
 
 def _build_untrained() -> Tokenizer:
     tokenizer = Tokenizer(
-        BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+        BPE(
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
     )
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -113,7 +119,9 @@ def _build_untrained() -> Tokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
-    tokenizer.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tokenizer.post_processor = processors.ByteLevel(
+        add_prefix_space=False, trim_offsets=False, use_regex=False
+    )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
@@ -169,7 +177,9 @@ def _qwen_layout(tokenizer_json: dict) -> dict:
     # The Python ByteLevel decoder ignores its options and serializes defaults;
     # write Qwen's values so the file reads like a real checkpoint's (decoding
     # does not depend on them).
-    tokenizer_json["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    tokenizer_json["decoder"] = {
+        "type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False
+    }
     return tokenizer_json
 
 

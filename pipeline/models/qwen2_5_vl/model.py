@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from pipeline.models.attention import AttentionBackend
+from pipeline.models.qwen2_5_vl import positions as mrope
 from pipeline.models.qwen2_5_vl.config import Qwen25VLConfig
 from pipeline.models.qwen2_5_vl.text import TextModel
 from pipeline.models.qwen2_5_vl.vision import VisionTower
@@ -45,6 +46,14 @@ class Qwen25VL(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor:
         """Final hidden states [T, hidden] for a flat stream of T tokens."""
         return self.model(embeds, positions, attn)
+
+    def prompt_positions(self, num_tokens: int, image_spans: list[tuple[int, int]],
+                         grids: list[Grid]) -> tuple[torch.Tensor, int]:
+        """M-RoPE positions [3, num_tokens] of a prompt and its decode delta."""
+        return mrope.prompt_positions(num_tokens, image_spans, grids, self.spatial_merge_size)
+
+    def decode_positions(self, first_index: int, count: int, delta: int) -> torch.Tensor:
+        return mrope.decode_positions(first_index, count, delta)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.cfg.text.tie_word_embeddings else self.lm_head.weight

@@ -1,0 +1,1 @@
+"""Turning request media (image bytes) into the tensors a vision encoder reads."""
