@@ -19,19 +19,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Shapes of the checkpoints the reference writes, chosen to differ from the
 # tiny one and from each other: GQA ratio, window size, depth, widths, tying.
+# The language model's init scale is large so greedy argmax is never a
+# near-tie; the vision tower's is moderate so its outputs stay in the range a
+# trained tower gives (float32 rounding grows with magnitude).
 REFERENCE_SHAPES = {
     "gqa4-tied-window4": dict(
         text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=2, mrope_section=[2, 3, 3]),
         vision=dict(depth=3, hidden_size=64, intermediate_size=96, num_heads=4,
                     window_size=112, fullatt_block_indexes=[2]),
-        tie=True, init=0.25),
+        tie=True, init=0.25, vision_init=0.08),
     "mha-window1-deep": dict(
         text=dict(hidden_size=96, intermediate_size=160, num_hidden_layers=4,
                   num_attention_heads=3, num_key_value_heads=3, mrope_section=[4, 6, 6]),
         vision=dict(depth=5, hidden_size=48, intermediate_size=80, num_heads=3,
                     window_size=28, fullatt_block_indexes=[0, 4]),
-        tie=False, init=0.3),
+        tie=False, init=0.3, vision_init=0.1),
 }
 
 
@@ -62,7 +65,7 @@ def write_reference_checkpoint(out_dir: Path, shape: dict) -> Path:
             eos_token_id=special["<|im_end|>"], tie_word_embeddings=shape["tie"]),
         vision_config=dict(shape["vision"], out_hidden_size=text["hidden_size"], patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2,
-                           initializer_range=shape["init"]),
+                           initializer_range=shape["vision_init"]),
         image_token_id=special["<|image_pad|>"], video_token_id=special["<|video_pad|>"],
         vision_start_token_id=special["<|vision_start|>"],
         vision_end_token_id=special["<|vision_end|>"], tie_word_embeddings=shape["tie"])

