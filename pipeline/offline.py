@@ -54,10 +54,12 @@ class OfflineModel:
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
         cfg = self.processor.image_config
-        try:
-            images = [open_image(data, cfg) for data in request.images]
-        except ImageDecodeError as exc:
-            raise InputError(f"image: {exc}") from exc
+        images = []
+        for number, data in enumerate(request.images, start=1):
+            try:
+                images.append(open_image(data, cfg))
+            except ImageDecodeError as exc:
+                raise InputError(f"image {number}: {exc}") from exc
         messages = [{"role": "user", "content": [{"type": "image"} for _ in images]
                      + [{"type": "text", "text": request.prompt}]}]
         try:

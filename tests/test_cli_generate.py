@@ -1,0 +1,94 @@
+"""bin/epd-generate as a user runs it: output formats, the built-in model,
+and one-line errors with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, random_image
+
+CLI = [sys.executable, str(REPO / "bin" / "epd-generate")]
+
+
+def run(args, env=None, timeout=120):
+    return subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("epd-generate: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_builtin_model_is_written_on_first_use_and_matches_the_fixture(tiny_dir, tmp_path):
+    image = tmp_path / "cat.png"
+    random_image(64, 96).save(image)
+    args = ["--prompt", "What is this?", "--image", str(image), "--max-tokens", "8", "--json", "--ignore-eos"]
+    builtin = run(args, env={"EPD_CACHE_DIR": str(tmp_path / "cache")})
+    assert builtin.returncode == 0, builtin.stderr
+    assert list((tmp_path / "cache").iterdir())[0].name.startswith("tiny-qwen2.5-vl-v")
+    explicit = run(args + ["--model", str(tiny_dir)])
+    got, expected = (json.loads(r.stdout.splitlines()[-1]) for r in (builtin, explicit))
+    assert got == expected
+    assert len(got["token_ids"]) == 8
+
+
+def test_plain_output_is_the_text(tiny_dir):
+    as_json = run(["--model", str(tiny_dir), "--prompt", "hello", "--max-tokens", "6", "--json"])
+    plain = run(["--model", str(tiny_dir), "--prompt", "hello", "--max-tokens", "6"])
+    assert plain.returncode == 0
+    assert plain.stdout.rstrip("\n") == json.loads(as_json.stdout.splitlines()[-1])["text"]
+
+
+def test_missing_model_folder(tmp_path):
+    assert_one_line_error(run(["--model", str(tmp_path / "absent"), "--prompt", "x"]),
+                          "model folder not found")
+
+
+def test_unsupported_architecture(tiny_dir, tmp_path):
+    import shutil
+
+    other = tmp_path / "llama"
+    shutil.copytree(tiny_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (other / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(run(["--model", str(other), "--prompt", "x"]), "unsupported architecture", "llama")
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (None, "cannot read image"),
+    (b"", "image"),
+    (b"this is not an image at all", "image"),
+    ("truncated", "image"),
+])
+def test_unreadable_or_corrupt_image(tiny_dir, tmp_path, content, fragment):
+    path = tmp_path / "bad.jpg"
+    if content == "truncated":
+        random_image(200, 200).save(path, format="JPEG")
+        path.write_bytes(path.read_bytes()[:600])
+    elif content is not None:
+        path.write_bytes(content)
+    result = run(["--model", str(tiny_dir), "--prompt", "x", "--image", str(path)])
+    assert_one_line_error(result, fragment)
+
+
+def test_prompt_longer_than_context(tiny_dir):
+    context = json.loads((tiny_dir / "config.json").read_text())["max_position_embeddings"]
+    result = run(["--model", str(tiny_dir), "--prompt", "word " * context, "--max-tokens", "4"])
+    assert_one_line_error(result, f"context of {context} tokens")
+
+
+def test_max_tokens_must_be_positive(tiny_dir):
+    result = run(["--model", str(tiny_dir), "--prompt", "x", "--max-tokens", "0"])
+    assert result.returncode != 0
+    assert "--max-tokens must be at least 1" in result.stderr
