@@ -65,30 +65,29 @@ def test_half_precision_dtypes_track_float32(tiny_dir, dtype):
     assert torch.corrcoef(torch.stack([low.flatten(), full.flatten()]))[0, 1] > 0.99
 
 
-def test_missing_tensor_is_named(tiny_dir, tmp_path):
-    broken = copy_checkpoint(tiny_dir, tmp_path / "missing")
-    weights = load_file(broken / "model.safetensors")
+def drop_tensor(weights):
     del weights["model.layers.1.mlp.up_proj.weight"]
-    save_file(weights, broken / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"1 missing tensors: model\.layers\.1\.mlp\.up_proj\.weight"):
-        load_model(broken)
 
 
-def test_unexpected_tensor_is_named(tiny_dir, tmp_path):
-    broken = copy_checkpoint(tiny_dir, tmp_path / "unexpected")
-    weights = load_file(broken / "model.safetensors")
+def add_tensor(weights):
     weights["model.layers.9.extra.weight"] = torch.zeros(2)
-    save_file(weights, broken / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"1 unexpected tensors: model\.layers\.9\.extra\.weight"):
-        load_model(broken)
 
 
-def test_wrong_shape_is_named(tiny_dir, tmp_path):
-    broken = copy_checkpoint(tiny_dir, tmp_path / "shape")
-    weights = load_file(broken / "model.safetensors")
+def reshape_tensor(weights):
     weights["model.norm.weight"] = torch.ones(3)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (drop_tensor, r"1 missing tensors: model\.layers\.1\.mlp\.up_proj\.weight"),
+    (add_tensor, r"1 unexpected tensors: model\.layers\.9\.extra\.weight"),
+    (reshape_tensor, r"model\.norm\.weight has shape \(3,\)"),
+])
+def test_mismatched_tensors_are_named(tiny_dir, tmp_path, edit, message):
+    broken = copy_checkpoint(tiny_dir, tmp_path / "broken")
+    weights = load_file(broken / "model.safetensors")
+    edit(weights)
     save_file(weights, broken / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"model\.norm\.weight has shape \(3,\)"):
+    with pytest.raises(ModelLoadError, match=message):
         load_model(broken)
 
 
