@@ -38,6 +38,17 @@ REFERENCE_SHAPES = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_leftovers():
+    """The whole suite leaves nothing in /dev/shm."""
+    from pipeline.arena.shm import our_segments
+
+    before = set(our_segments())
+    yield
+    leaked = set(our_segments()) - before
+    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     from pipeline.models.tiny import write_tiny_checkpoint

@@ -1,0 +1,144 @@
+"""Every message between EPD processes: msgspec Structs in one tagged union,
+msgpack on the wire.
+
+Decoding is only ever against `Message`, the declared union, so a peer can
+never make us build an arbitrary type; no pickle anywhere. Structs are frozen,
+array-like (positional, compact) and omit defaults. New fields go at the end
+with a default, so older peers still decode newer messages.
+
+Tensors never ride in a message: an `ArenaHandle` says where they are.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False,
+           tag_field="t"):
+    pass
+
+
+class ArenaHandle(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """Where one embedding lives: `nbytes` at `offset` of arena `arena_id`,
+    viewed as `shape`/`dtype`. `generation` is the allocation's serial number;
+    a reader whose blocks were since reused sees another number and must not
+    use the bytes it read."""
+
+    arena_id: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    generation: int
+
+
+class ArenaInfo(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """How a consumer opens an encoder's arena, once.
+
+    kind "shm": data in the POSIX shared-memory segment `data_name`.
+    kind "cuda": data in a device buffer exported by CUDA IPC (`cuda_handle`
+    holds the opaque export; `device` is the producer's device index).
+    Either way `generations_name` is a shared-memory segment of int64, one
+    per block, that readers check handles against."""
+
+    arena_id: str
+    kind: str
+    capacity: int
+    block_bytes: int
+    generations_name: str
+    data_name: str = ""
+    device: int = -1
+    cuda_handle: bytes = b""
+
+
+class EncodeJob(_Msg, tag="encode"):
+    """Encode one image for one request and hand it to `consumer`.
+
+    `content_hash` is the salted hash the proxy computed from `media`; the
+    encoder recomputes it, so a wrong or reused id can never alias another
+    image's embedding. `expected_tokens` is the placeholder count the prompt
+    was built with; a different count is a failure, never a silent fill."""
+
+    job_id: str
+    request_id: str
+    content_hash: str
+    media: bytes
+    consumer: str            # inbox address of the generator that needs it
+    expected_tokens: int
+    reply_to: str = ""       # inbox of the sender, for failures (the proxy)
+    modality: str = "image"
+
+
+class EmbeddingReady(_Msg, tag="ready"):
+    """The embedding of `content_hash` is in `handle`, leased to the consumer
+    under `lease_id` until it sends ReleaseLease (or stops heartbeating)."""
+
+    job_id: str
+    request_id: str
+    content_hash: str
+    handle: ArenaHandle
+    lease_id: str
+    encoder_id: str
+    dedup: bool = False
+
+
+class EncodeFailed(_Msg, tag="failed"):
+    """An encode job could not be done. `retryable` is false for bad media
+    (another encoder would fail the same way) and true for capacity or
+    internal errors."""
+
+    job_id: str
+    request_id: str
+    content_hash: str
+    reason: str
+    retryable: bool
+    encoder_id: str
+
+
+class ReleaseLease(_Msg, tag="release"):
+    lease_ids: tuple[str, ...]
+    owner: str
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    """Liveness of `sender`; an encoder drops the leases of a consumer whose
+    heartbeats stop."""
+
+    sender: str
+    sent_at: float
+
+
+class Hello(_Msg, tag="hello"):
+    """Ask an encoder to announce itself to `reply_to`."""
+
+    sender: str
+    reply_to: str
+
+
+class EncoderAnnounce(_Msg, tag="announce"):
+    """An encoder's identity and arena. `widths` maps modality to embedding
+    width, which may exceed the language model's hidden size."""
+
+    encoder_id: str
+    address: str
+    model_id: str
+    arena: ArenaInfo
+    widths: dict[str, int]
+
+
+Message = (EncodeJob | EmbeddingReady | EncodeFailed | ReleaseLease | Heartbeat | Hello
+           | EncoderAnnounce)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes | memoryview) -> Message:
+    """Raises msgspec.DecodeError / ValidationError for anything that is not
+    a well-formed declared message."""
+    return _decoder.decode(data)
