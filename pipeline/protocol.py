@@ -127,8 +127,21 @@ class EncoderAnnounce(_Msg, tag="announce"):
     widths: dict[str, int]
 
 
+class StatsRequest(_Msg, tag="stats?"):
+    reply_to: str
+
+
+class StageStats(_Msg, tag="stats"):
+    """A stage's counters and gauges, for metrics and for leak checks."""
+
+    stage: str
+    instance: str
+    counters: dict[str, int]
+    gauges: dict[str, float]
+
+
 Message = (EncodeJob | EmbeddingReady | EncodeFailed | ReleaseLease | Heartbeat | Hello
-           | EncoderAnnounce)
+           | EncoderAnnounce | StatsRequest | StageStats)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -68,10 +68,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model: torch.nn.Module, family: ModelFamily, config: Any, model_dir: Path,
-                 device: torch.device) -> None:
+                 device: torch.device, prefix: str = "") -> None:
     """Copy every checkpoint tensor into `model` (already materialised on
     `device`, in its final dtype). Missing or unexpected tensors are an error
-    that names them."""
+    that names them. With `prefix`, `model` is that part of the full model
+    (e.g. "visual." for an encoder process) and other tensors are skipped."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -83,8 +84,9 @@ def load_weights(model: torch.nn.Module, family: ModelFamily, config: Any, model
         with handle as f:
             for name in f.keys():
                 target = family.canonical_name(name, config)
-                if target is None:
+                if target is None or not target.startswith(prefix):
                     continue
+                target = target[len(prefix):]
                 param = params.get(target)
                 if param is None:
                     unexpected.append(name)

@@ -41,17 +41,21 @@ def load_config(model_dir: Path) -> tuple[ModelFamily, Any]:
         raise ModelLoadError(f"invalid config.json in {model_dir}: {exc}") from exc
 
 
-def load_model(model_dir: Path, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Build the model on the meta device (no memory), materialise it on the
-    target device, then stream the checkpoint's tensors into it."""
+def load_model(model_dir: Path, dtype: str = "float32", device: str = "cpu",
+               part: str | None = None) -> LoadedModel:
+    """Build the model on the meta device (no memory), materialise it (or
+    only its submodule `part`, e.g. "visual" for an encoder) on the target
+    device, then stream the checkpoint's tensors into it."""
     model_dir = Path(model_dir)
     torch_dtype = parse_dtype(dtype)
     target = resolve_device(device)
     family, config = load_config(model_dir)
     with torch.device("meta"):
         model = family.build(config, torch_dtype)
+    if part is not None:
+        model = model.get_submodule(part)
     model = model.to_empty(device=target)
     model.reset_buffers()
-    load_weights(model, family, config, model_dir, target)
+    load_weights(model, family, config, model_dir, target, prefix=f"{part}." if part else "")
     model.eval().requires_grad_(False)
     return LoadedModel(family, config, model, model_dir, torch_dtype, target)

@@ -1,0 +1,1 @@
+"""The encoder's logic (the process entry point is stages/encoder.py)."""

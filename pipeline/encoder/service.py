@@ -1,0 +1,231 @@
+"""The encoder's work: dedup, decode, batch, encode, store, announce.
+
+All bookkeeping (index, single-flight, queues) happens on the event loop
+thread; decoding runs in a thread pool and the vision forward in one compute
+thread, so the loop keeps taking messages while a batch runs. Decoding of the
+next batch overlaps the current forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from pipeline import protocol
+from pipeline.arena.index import ArenaFull, Entry, State
+from pipeline.arena.store import ArenaStore
+from pipeline.encoder.batching import take_batch
+from pipeline.encoder.single_flight import SingleFlight
+from pipeline.hashing import content_hash, media_salt
+from pipeline.media.base import DecodedImage, MediaBackend
+from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
+
+log = logging.getLogger("epd.encoder")
+
+
+@dataclass(frozen=True)
+class EncoderSettings:
+    encoder_id: str
+    address: str
+    model_id: str
+    max_batch_tokens: int = 16384
+    expiry_interval: float = 1.0
+
+
+@dataclass(frozen=True)
+class _Decoded:
+    content_hash: str
+    image: DecodedImage
+    tokens: int
+
+
+class EncoderService:
+    def __init__(self, settings: EncoderSettings, store: ArenaStore, tower: torch.nn.Module,
+                 media: MediaBackend, image_config: ImageProcessorConfig,
+                 send: Callable[[str, protocol.Message], None],
+                 decode_pool: Executor, compute_pool: Executor) -> None:
+        self.settings = settings
+        self.store = store
+        self.tower = tower
+        self.media = media
+        self.image_config = image_config
+        self.send = send
+        self.decode_pool = decode_pool
+        self.compute_pool = compute_pool
+        self.salt = media_salt(settings.model_id, image_config.settings_key())
+        self.flight: SingleFlight[protocol.EncodeJob] = SingleFlight()
+        self.to_decode: list[tuple[str, bytes]] = []
+        self.decoded: deque[_Decoded] = deque()
+        self.counters: Counter[str] = Counter()
+        self.forwards = 0
+        self._decode_wake = asyncio.Event()
+        self._compute_wake = asyncio.Event()
+
+    # ------------------------------------------------------------- messages
+
+    def handle(self, message: protocol.Message) -> None:
+        """React to one inbox message; never blocks."""
+        if isinstance(message, protocol.EncodeJob):
+            self._on_job(message)
+        elif isinstance(message, protocol.ReleaseLease):
+            for lease_id in message.lease_ids:
+                self.store.index.release(lease_id)
+        elif isinstance(message, protocol.Heartbeat):
+            self.store.index.heartbeat(message.sender)
+        elif isinstance(message, protocol.Hello):
+            self.handle_hello(message.reply_to)
+        elif isinstance(message, protocol.StatsRequest):
+            self._send(message.reply_to, self.stats())
+        else:
+            log.warning("ignoring unexpected %s", type(message).__name__)
+
+    def stats(self) -> protocol.StageStats:
+        index = self.store.index
+        gauges = {"arena_bytes_used": float(index.bytes_used), "arena_leases": float(index.lease_count),
+                  "arena_entries": float(len(index.entries)), "arena_capacity": float(self.store.info.capacity),
+                  "in_flight": float(len(self.flight))}
+        counters = dict(self.counters, forwards=self.forwards, evictions=index.evictions)
+        return protocol.StageStats("encoder", self.settings.encoder_id, counters, gauges)
+
+    def handle_hello(self, reply_to: str) -> None:
+        self._send(reply_to, self.announcement())
+
+    def announcement(self) -> protocol.EncoderAnnounce:
+        return protocol.EncoderAnnounce(self.settings.encoder_id, self.settings.address,
+                                        self.settings.model_id, self.store.info,
+                                        {"image": self.tower.out_dim})
+
+    def _on_job(self, job: protocol.EncodeJob) -> None:
+        key = content_hash(job.media, self.salt)
+        if key != job.content_hash:
+            # The address is always ours to compute: a client-chosen id must
+            # never make a request receive another image's embedding.
+            self._fail(job, "content hash does not match the media bytes", retryable=False)
+            return
+        entry = self.store.index.get(key)
+        if entry is not None and entry.state is State.READY:
+            self._deliver(job, entry, dedup=True)
+        elif self.flight.join(key, job):
+            self.to_decode.append((key, job.media))
+            self._decode_wake.set()
+
+    # ------------------------------------------------------------ pipeline
+
+    async def run(self) -> None:
+        await asyncio.gather(self._decode_loop(), self._compute_loop(), self._expiry_loop())
+
+    async def _decode_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._decode_wake.wait()
+            self._decode_wake.clear()
+            items, self.to_decode = self.to_decode, []
+            if not items:
+                continue
+            results = await loop.run_in_executor(
+                self.decode_pool, self.media.decode, [media for _, media in items], self.image_config)
+            for (key, _), result in zip(items, results):
+                if isinstance(result, ImageDecodeError):
+                    self._fail_all(key, f"bad image: {result}", retryable=False)
+                else:
+                    tokens = self.tower.tokens_per_image(result.grid)
+                    self.decoded.append(_Decoded(key, result, tokens))
+                    self._compute_wake.set()
+
+    async def _compute_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._compute_wake.wait()
+            self._compute_wake.clear()
+            while self.decoded:
+                batch = take_batch(self.decoded, lambda d: d.tokens, self.settings.max_batch_tokens)
+                reserved = self._reserve(batch)
+                if not reserved:
+                    continue
+                try:
+                    await loop.run_in_executor(self.compute_pool, self._forward_and_store, reserved)
+                except Exception as exc:  # a failed forward must not stop the encoder
+                    log.exception("vision forward failed")
+                    for item, _ in reserved:
+                        self.store.index.abort(item.content_hash)
+                        self._fail_all(item.content_hash, f"encoder error: {exc}", retryable=True)
+                    continue
+                for item, entry in reserved:
+                    self.store.index.mark_ready(item.content_hash)
+                    for i, job in enumerate(self.flight.finish(item.content_hash)):
+                        self._deliver(job, entry, dedup=i > 0)
+
+    def _reserve(self, batch: list[_Decoded]) -> list[tuple[_Decoded, Entry]]:
+        reserved = []
+        for item in batch:
+            shape = (item.tokens, self.tower.out_dim)
+            try:
+                reserved.append((item, self.store.reserve(item.content_hash, shape, self.dtype)))
+            except ArenaFull as exc:
+                self._fail_all(item.content_hash, str(exc), retryable=True)
+        return reserved
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tower.patch_embed.proj.weight.dtype
+
+    def _forward_and_store(self, reserved: list[tuple[_Decoded, Entry]]) -> None:
+        """Compute thread: one vision forward for the batch, outputs into the
+        arena, one synchronisation before any handle is announced."""
+        device = self.store.data.device
+        pixels = torch.cat([item.image.pixel_values.to(device, non_blocking=True) for item, _ in reserved])
+        with torch.inference_mode():
+            outputs = self.tower(pixels, [item.image.grid for item, _ in reserved])
+            for (_, entry), output in zip(reserved, outputs):
+                self.store.write(entry, output)
+        self.store.sync()
+        self.forwards += 1
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.expiry_interval)
+            for lease in self.store.index.expire():
+                log.warning("lease %s of silent consumer %s expired", lease.lease_id, lease.owner)
+
+    # ------------------------------------------------------------- replies
+
+    def _deliver(self, job: protocol.EncodeJob, entry: Entry, dedup: bool) -> None:
+        tokens = entry.shape[0]
+        if tokens != job.expected_tokens:
+            self._fail(job, f"the image has {tokens} visual tokens but its prompt reserved "
+                            f"{job.expected_tokens}", retryable=False)
+            return
+        lease = self.store.index.lease(entry.content_hash, job.consumer, job.request_id)
+        ready = protocol.EmbeddingReady(job.job_id, job.request_id, entry.content_hash,
+                                        self.store.handle(entry), lease.lease_id,
+                                        self.settings.encoder_id, dedup)
+        if self._send(job.consumer, ready):
+            self.counters["dedup" if dedup else "encoded"] += 1
+        else:
+            self.store.index.release(lease.lease_id)
+            self.counters["failed"] += 1
+
+    def _fail_all(self, key: str, reason: str, retryable: bool) -> None:
+        for job in self.flight.finish(key):
+            self._fail(job, reason, retryable)
+
+    def _fail(self, job: protocol.EncodeJob, reason: str, retryable: bool) -> None:
+        self.counters["failed"] += 1
+        failed = protocol.EncodeFailed(job.job_id, job.request_id, job.content_hash, reason, retryable,
+                                       self.settings.encoder_id)
+        self._send(job.reply_to or job.consumer, failed)
+
+    def _send(self, address: str, message: protocol.Message) -> bool:
+        try:
+            self.send(address, message)
+            return True
+        except zmq.ZMQError as exc:
+            log.warning("cannot send %s to %s: %s", type(message).__name__, address, exc)
+            return False

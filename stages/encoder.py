@@ -1,0 +1,118 @@
+"""The encoder process: `python -m stages.encoder --address ipc://... [options]`.
+
+Binds an inbox, takes encode jobs from any proxy, and hands embeddings to the
+generators named in the jobs through its arena. It announces itself (arena,
+widths, model id) to every address given with --announce-to, and to anyone
+who sends Hello. SIGTERM or SIGINT stops it cleanly: shared memory is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from pipeline import transport
+from pipeline.arena.store import ArenaStore
+from pipeline.encoder.service import EncoderService, EncoderSettings
+from pipeline.media.registry import create_backend
+from pipeline.models.errors import ModelLoadError
+from pipeline.models.loader import load_model, resolve_device
+from pipeline.models.tiny import default_model_dir
+from pipeline.processing.image import ImageProcessorConfig
+
+log = logging.getLogger("epd.encoder")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="stages.encoder", description=__doc__.splitlines()[0])
+    p.add_argument("--address", required=True, help="inbox address to bind (ipc:// or tcp://)")
+    p.add_argument("--instance", default="encoder-0", help="stable name of this stage (shm cleanup, ids)")
+    p.add_argument("--model", type=Path, help="checkpoint folder (default: the built-in tiny model)")
+    p.add_argument("--model-id", help="name used to salt content hashes (default: the folder name)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--media-backend", default="auto", help="auto, pillow, dali or nvjpeg")
+    p.add_argument("--arena-mib", type=int, default=256, help="embedding arena size")
+    p.add_argument("--block-kib", type=int, default=64, help="arena block size")
+    p.add_argument("--max-batch-tokens", type=int, default=16384, help="visual tokens per forward")
+    p.add_argument("--lease-timeout", type=float, default=30.0, help="seconds without heartbeat")
+    p.add_argument("--decode-threads", type=int, default=4)
+    p.add_argument("--announce-to", action="append", default=[], help="inbox to announce to; repeatable")
+    args = p.parse_args(argv)
+    for name in ("arena_mib", "block_kib", "max_batch_tokens", "decode_threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> None:
+    device = resolve_device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    model_dir = args.model or default_model_dir()
+    tower = load_model(model_dir, dtype=dtype, device=str(device), part="visual").model
+    image_config = ImageProcessorConfig.from_checkpoint(model_dir)
+    media = create_backend(args.media_backend, device)
+    store = ArenaStore(args.arena_mib << 20, args.block_kib << 10, device, args.instance, args.lease_timeout)
+    ctx = zmq.asyncio.Context()
+    inbox, outbox = transport.Inbox(ctx, args.address), transport.Outbox(ctx)
+    settings = EncoderSettings(args.instance, args.address, args.model_id or Path(model_dir).name,
+                               args.max_batch_tokens)
+    with ThreadPoolExecutor(args.decode_threads, "decode") as decode_pool, \
+            ThreadPoolExecutor(1, "compute") as compute_pool:
+        service = EncoderService(settings, store, tower, media, image_config, outbox.send,
+                                 decode_pool, compute_pool)
+        for address in args.announce_to:
+            service.handle_hello(address)
+        log.info("encoder %s ready on %s (device %s, media %s)", args.instance, args.address, device, media.name)
+        try:
+            await _until_stopped(service.run(), _receive(inbox, service))
+        finally:
+            inbox.close()
+            outbox.close()
+            ctx.term()
+            store.close()
+
+
+async def _receive(inbox: transport.Inbox, service: EncoderService) -> None:
+    while True:
+        service.handle(await inbox.recv())
+
+
+async def _until_stopped(*work) -> None:
+    """Run until SIGTERM/SIGINT or until any task fails."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.ensure_future(w) for w in work] + [asyncio.ensure_future(stop.wait())]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for task in done:
+        task.result()  # re-raise a failure
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    transport.install_event_loop()
+    try:
+        asyncio.run(serve(args))
+    except (ModelLoadError, ValueError, RuntimeError) as exc:
+        print(f"stages.encoder: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
