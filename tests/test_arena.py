@@ -137,7 +137,7 @@ def test_store_and_reader_share_memory_and_detect_reuse(store):
     handle = store.handle(entry)
     assert torch.equal(reader.read(handle), emb)
     # The entry is evicted and its blocks reused: the old handle is stale.
-    store.index._remove("h1")
+    store.index.evict("h1")
     other = store.reserve("h2", (10, 64), torch.float32)
     store.write(other, torch.zeros(10, 64))
     with pytest.raises(StaleHandleError):

@@ -111,6 +111,13 @@ class EmbeddingIndex:
         if entry is not None and entry.state is State.ENCODING:
             self._remove(content_hash)
 
+    def evict(self, content_hash: str) -> bool:
+        """Drop an unused ready entry now; False if it is absent or in use."""
+        if content_hash not in self.unused:
+            return False
+        self._remove(content_hash)
+        return True
+
     def _remove(self, content_hash: str) -> None:
         entry = self.entries.pop(content_hash)
         self.unused.pop(content_hash, None)

@@ -26,6 +26,24 @@ class AttentionBackend(ABC):
         ...
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int) -> torch.Tensor:
+    """Queries [1, heads, n, dim] at positions context_len.. attend to keys
+    [1, kv_heads, context_len + n, dim] causally.
+
+    The 4-D layout and the fused causal path for a prefill from zero select
+    the same SDPA kernels as the reference implementation, whose float32
+    rounding the equality tests compare against."""
+    n, total = q.shape[2], k.shape[2]
+    mask, causal = None, False
+    if n > 1 and context_len == 0:
+        causal = True
+    elif n > 1:
+        rows = torch.arange(n, device=q.device)[:, None] + context_len
+        mask = torch.arange(total, device=q.device)[None, :] <= rows
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          scale=q.shape[-1] ** -0.5, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class ContiguousKVCache(AttentionBackend):
     """One sequence's keys and values in preallocated contiguous tensors.
 
@@ -48,20 +66,9 @@ class ContiguousKVCache(AttentionBackend):
             raise ValueError(f"KV cache holds {self.capacity} tokens, {end} requested")
         self.keys[layer, self.length:end] = k
         self.values[layer, self.length:end] = v
-        # [1, heads, tokens, dim]: the 4-D layout selects the same SDPA kernels
-        # as the reference, whose float32 rounding the tests compare against.
         keys = self.keys[layer, :end].transpose(0, 1)[None]
         values = self.values[layer, :end].transpose(0, 1)[None]
-        mask, causal = None, False
-        if n > 1 and self.length == 0:
-            causal = True  # no prefix: the built-in causal path (fused kernels, no mask)
-        elif n > 1:
-            # Query i sits at absolute position length+i and sees keys <= it.
-            rows = torch.arange(n, device=q.device)[:, None] + self.length
-            mask = torch.arange(end, device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=causal,
-            scale=q.shape[-1] ** -0.5, enable_gqa=keys.shape[1] != q.shape[1])
+        out = causal_attention(q.transpose(0, 1)[None], keys, values, self.length)
         return out[0].transpose(0, 1)
 
     def commit(self, n: int) -> None:

@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""GPU arena handoff: correctness and latency, against PyTorch's per-tensor IPC.
+
+Run on the GPU box (not in CI):
+    python scripts/gpu_arena_bench.py --consumer-device 0      # same GPU
+    python scripts/gpu_arena_bench.py --consumer-device 1      # other GPU (peer copy)
+
+A producer process holds a CUDA arena on cuda:0 (ArenaStore, exported once);
+a consumer process opens it once (ArenaReader) and, per handoff, receives an
+EmbeddingReady over ZeroMQ and copies the embedding into its own memory.
+Latency per image = from the producer starting its write into the arena to
+the consumer holding a synchronised private copy (message + copies + checks).
+The per-tensor baseline sends each tensor through a torch.multiprocessing
+queue (PyTorch's CUDA IPC) and stops the clock at the same point. Both paths
+run in this one invocation; the printed ratio is the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import zmq  # noqa: E402
+
+from pipeline import protocol  # noqa: E402
+
+WIDTH = 2048  # a 3B-class hidden size; bf16 rows of 4 KiB
+
+
+def rows_for(mib: int) -> int:
+    return (mib << 20) // (WIDTH * 2)
+
+
+def seeded(seed: int, rows: int, device: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, WIDTH, generator=gen).to(torch.bfloat16).to(device)
+
+
+def percentiles(samples_ns: list[int]) -> dict[str, float]:
+    us = sorted(s / 1000 for s in samples_ns)
+    return {"p50_us": statistics.median(us), "p99_us": us[min(len(us) - 1, int(0.99 * len(us)))],
+            "n": len(us)}
+
+
+# ------------------------------------------------------------- arena path
+
+def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: int) -> None:
+    from pipeline.arena.store import ArenaStore
+
+    torch.cuda.set_device(0)
+    store = ArenaStore(512 << 20, 64 << 10, torch.device("cuda:0"), f"bench-{os.getpid()}", 60.0)
+    ctx = zmq.Context()
+    inbox, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind(address)
+    out.connect(consumer)
+    out.send(protocol.encode(protocol.EncoderAnnounce("bench", address, "bench", store.info, {"image": WIDTH})))
+    try:
+        for mib in sizes:
+            rows = rows_for(mib)
+            sources = [seeded(seed, rows, "cuda:0") for seed in range(checks)]
+            source = sources[0]
+            for i in range(checks + iters):
+                src = sources[i] if i < checks else source
+                t0 = time.perf_counter_ns()
+                entry = store.reserve(f"{mib}-{i}", (rows, WIDTH), torch.bfloat16)
+                store.write(entry, src)
+                store.sync()
+                store.index.mark_ready(entry.content_hash)
+                lease = store.index.lease(entry.content_hash, consumer, "r")
+                ready = protocol.EmbeddingReady(f"{mib}:{i}:{t0}", "r", entry.content_hash,
+                                                store.handle(entry), lease.lease_id, "bench")
+                out.send(protocol.encode(ready))
+                release = protocol.decode(inbox.recv())
+                store.index.release(release.lease_ids[0])
+                store.index.evict(entry.content_hash)  # keep the arena from filling
+        out.send(protocol.encode(protocol.Heartbeat("done", 0.0)))
+    finally:
+        inbox.close()
+        out.close()
+        ctx.term()
+        store.close()
+
+
+def consumer(address: str, producer_address: str, device: str, checks: int, spin: bool) -> dict:
+    from pipeline.arena.reader import ArenaReader
+
+    torch.cuda.set_device(torch.device(device))
+    ctx = zmq.Context()
+    inbox, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind(address)
+    out.connect(producer_address)
+    reader = ArenaReader()
+
+    def recv():
+        if not spin:
+            return protocol.decode(inbox.recv())
+        while True:
+            try:
+                return protocol.decode(inbox.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                pass
+
+    announce = recv()
+    t = time.perf_counter_ns()
+    reader.open(announce.arena)
+    result = {"open_ms": (time.perf_counter_ns() - t) / 1e6, "sizes": {}, "mismatches": 0}
+    samples: dict[str, list[int]] = {}
+    while True:
+        message = recv()
+        if isinstance(message, protocol.Heartbeat):
+            break
+        got = reader.read(message.handle, device=torch.device(device))
+        t1 = time.perf_counter_ns()
+        out.send(protocol.encode(protocol.ReleaseLease((message.lease_id,), "consumer")))
+        mib, i, t0 = message.job_id.split(":")
+        if int(i) < checks:
+            if not torch.equal(got, seeded(int(i), got.shape[0], device)):
+                result["mismatches"] += 1
+        else:
+            samples.setdefault(mib, []).append(t1 - int(t0))
+    for mib, s in samples.items():
+        result["sizes"][mib] = percentiles(s[len(s) // 10:])  # first 10%: warm-up
+    reader.close()
+    inbox.close()
+    out.close()
+    ctx.term()
+    return result
+
+
+# ------------------------------------------------- PyTorch per-tensor IPC
+
+def torch_ipc_producer(queue, acks, sizes: list[int], iters: int) -> None:
+    torch.cuda.set_device(0)
+    for mib in sizes:
+        source = seeded(0, rows_for(mib), "cuda:0")
+        for _ in range(iters):
+            t0 = time.perf_counter_ns()
+            tensor = source.clone()      # a new tensor per handoff, as a real producer makes
+            torch.cuda.current_stream().synchronize()
+            queue.put((mib, t0, tensor))
+            acks.get()                   # keep it alive until the consumer has copied it
+            del tensor
+    queue.put(None)
+
+
+def torch_ipc_consumer(queue, acks, device: str, results) -> None:
+    torch.cuda.set_device(torch.device(device))
+    samples: dict[int, list[int]] = {}
+    while (item := queue.get()) is not None:
+        mib, t0, tensor = item
+        out = torch.empty_like(tensor, device=device)
+        out.copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        samples.setdefault(mib, []).append(time.perf_counter_ns() - t0)
+        del tensor
+        acks.put(1)
+    results.put({str(mib): percentiles(s[len(s) // 10:]) for mib, s in samples.items()})
+
+
+def run_torch_ipc(sizes: list[int], iters: int, device: str) -> dict:
+    ctx = mp.get_context("spawn")
+    queue, acks, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=torch_ipc_producer, args=(queue, acks, sizes, iters)),
+             ctx.Process(target=torch_ipc_consumer, args=(queue, acks, device, results))]
+    for p in procs:
+        p.start()
+    out = results.get(timeout=600)
+    for p in procs:
+        p.join(timeout=60)
+    return out
+
+
+# ------------------------------------------------------------------- main
+
+def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool) -> dict:
+    run_dir = Path(f"/tmp/epd-bench-{os.getpid()}")
+    run_dir.mkdir(exist_ok=True)
+    p_addr, c_addr = f"ipc://{run_dir}/p.sock", f"ipc://{run_dir}/c.sock"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    cons = ctx.Process(target=_consumer_entry, args=(c_addr, p_addr, device, checks, spin, results))
+    cons.start()
+    time.sleep(1.0)  # the consumer binds first
+    prod = ctx.Process(target=producer, args=(p_addr, c_addr, sizes, iters, checks))
+    prod.start()
+    out = results.get(timeout=600)
+    prod.join(timeout=60)
+    cons.join(timeout=60)
+    if prod.exitcode != 0:
+        raise RuntimeError(f"producer exited with {prod.exitcode}")
+    return out
+
+
+def _consumer_entry(c_addr, p_addr, device, checks, spin, results):
+    results.put(consumer(c_addr, p_addr, device, checks, spin))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--consumer-device", type=int, default=0)
+    parser.add_argument("--sizes-mib", default="2,8")
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--checks", type=int, default=16, help="handoffs checked for equality per size")
+    parser.add_argument("--spin", action="store_true", help="consumer busy-polls its socket")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes_mib.split(",")]
+    device = f"cuda:{args.consumer_device}"
+    arena = run_arena(sizes, args.iters, device, args.checks, args.spin)
+    baseline = run_torch_ipc(sizes, max(200, args.iters // 4), device)
+    report = {"device": torch.cuda.get_device_name(0), "consumer": device, "spin": args.spin,
+              "arena": arena, "torch_ipc": baseline}
+    print(f"producer cuda:0 -> consumer {device}; arena opened once in {arena['open_ms']:.1f} ms; "
+          f"equality mismatches: {arena['mismatches']}")
+    print(f"{'size':>6} {'arena p50':>10} {'arena p99':>10} {'torch p50':>10} {'torch p99':>10} {'p50 ratio':>9}")
+    for mib in map(str, sizes):
+        a, b = arena["sizes"][mib], baseline[mib]
+        print(f"{mib + 'MiB':>6} {a['p50_us']:>9.1f}u {a['p99_us']:>9.1f}u {b['p50_us']:>9.1f}u "
+              f"{b['p99_us']:>9.1f}u {b['p50_us'] / a['p50_us']:>8.1f}x")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 1 if arena["mismatches"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
