@@ -17,8 +17,14 @@ import numpy as np
 import torch
 
 from pipeline.media.base import BackendUnavailableError, DecodedImage, MediaBackend
-from pipeline.media.probe import check_blobs, check_size
-from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig, open_image, preprocess_images
+from pipeline.media.probe import check_blobs
+from pipeline.processing.image import (
+    ImageDecodeError,
+    ImageProcessorConfig,
+    check_source_size,
+    open_image,
+    preprocess_images,
+)
 
 # More threads than this buy little: the encoder process has other work
 # (vision forward, I/O) and each thread holds a full decoded image.
@@ -118,7 +124,7 @@ class PillowBackend(MediaBackend):
 def _decode_one(blob: bytes, cfg: ImageProcessorConfig) -> DecodedImage | ImageDecodeError:
     try:
         image = open_image(blob, cfg)
-        grid = check_size(image.height, image.width, cfg)
+        grid = check_source_size(image.height, image.width, cfg)
     except ImageDecodeError as exc:
         return exc
     with image:

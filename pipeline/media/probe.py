@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig, image_grid_thw, read_image_size
+from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig, check_source_size, read_image_size
 
 # Start-of-frame markers: C0-CF except DHT (C4), JPG (C8) and DAC (CC).
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -51,20 +51,6 @@ def check_blobs(blobs: list[bytes]) -> None:
             raise TypeError(f"blobs[{i}] must be bytes, got {type(blob).__name__}")
 
 
-def check_size(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int, int, int]:
-    """The patch grid for a source of this size; ImageDecodeError if it is too
-    large (a bomb) or cannot be resized (no pixels, extreme aspect ratio)."""
-    if width < 1 or height < 1:
-        raise ImageDecodeError(f"image has no pixels ({width}x{height})")
-    if width * height > cfg.max_image_pixels:
-        raise ImageDecodeError(f"image too large: {width}x{height} = {width * height} pixels, "
-                               f"over the limit of {cfg.max_image_pixels} (max_image_pixels)")
-    try:
-        return image_grid_thw(height, width, cfg)
-    except ValueError as exc:  # smart_resize refusing the aspect ratio
-        raise ImageDecodeError(str(exc)) from None
-
-
 def probe_batch(blobs: list[bytes], cfg: ImageProcessorConfig) -> list[ImageHeader | ImageDecodeError]:
     """`probe` for each blob; a bad one yields its error in its slot."""
     check_blobs(blobs)
@@ -80,7 +66,7 @@ def probe_batch(blobs: list[bytes], cfg: ImageProcessorConfig) -> list[ImageHead
 def probe(data: bytes, cfg: ImageProcessorConfig) -> ImageHeader:
     """Validate `data` from its header alone; raises ImageDecodeError."""
     height, width = read_image_size(data)
-    grid = check_size(height, width, cfg)
+    grid = check_source_size(height, width, cfg)
     raw = data if isinstance(data, (bytes, bytearray)) else bytes(data)
     resized = (grid[1] * cfg.patch_size, grid[2] * cfg.patch_size)
     return ImageHeader(height, width, grid, resized, _is_gpu_jpeg(raw))

@@ -264,6 +264,21 @@ def read_image_size(data: bytes) -> tuple[int, int]:
     return height, width
 
 
+def check_source_size(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int, int, int]:
+    """The patch grid for a source of this size; ImageDecodeError if it is too
+    large (a decompression bomb) or cannot be resized (no pixels, extreme
+    aspect ratio). Called with header sizes, before any pixel is decoded."""
+    if width < 1 or height < 1:
+        raise ImageDecodeError(f"image has no pixels ({width}x{height})")
+    if width * height > cfg.max_image_pixels:
+        raise ImageDecodeError(f"image too large: {width}x{height} = {width * height} pixels, "
+                               f"over the limit of {cfg.max_image_pixels} (max_image_pixels)")
+    try:
+        return image_grid_thw(height, width, cfg)
+    except ValueError as exc:  # smart_resize refusing the aspect ratio
+        raise ImageDecodeError(str(exc)) from None
+
+
 def convert_to_rgb(image: Image.Image) -> Image.Image:
     """RGB, with any transparency composited onto white, as the reference does."""
     has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
@@ -289,12 +304,7 @@ def open_image(data: bytes, cfg: ImageProcessorConfig) -> Image.Image:
         raise RuntimeError("PIL.ImageFile.LOAD_TRUNCATED_IMAGES is enabled in this process; "
                            "refusing to decode, since truncated images would be silently accepted")
     image = _open_header(data)
-    width, height = image.size
-    if width < 1 or height < 1:
-        raise ImageDecodeError(f"image has no pixels ({width}x{height})")
-    if width * height > cfg.max_image_pixels:
-        raise ImageDecodeError(f"image too large: {width}x{height} = {width * height} pixels, "
-                               f"over the limit of {cfg.max_image_pixels} (max_image_pixels)")
+    check_source_size(image.height, image.width, cfg)
     try:
         image.load()
         return convert_to_rgb(image)
