@@ -76,7 +76,8 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
                 store.sync()
                 store.index.mark_ready(entry.content_hash)
                 lease = store.index.lease(entry.content_hash, consumer, "r")
-                ready = protocol.EmbeddingReady(f"{mib}:{i}:{t0}", "r", entry.content_hash,
+                t_stored = time.perf_counter_ns()
+                ready = protocol.EmbeddingReady(f"{mib}:{i}:{t0}:{t_stored}", "r", entry.content_hash,
                                                 store.handle(entry), lease.lease_id, "bench")
                 out.send(protocol.encode(ready))
                 release = protocol.decode(inbox.recv())
@@ -118,17 +119,26 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
         message = recv()
         if isinstance(message, protocol.Heartbeat):
             break
+        t_recv = time.perf_counter_ns()
         got = reader.read(message.handle, device=torch.device(device))
         t1 = time.perf_counter_ns()
         out.send(protocol.encode(protocol.ReleaseLease((message.lease_id,), "consumer")))
-        mib, i, t0 = message.job_id.split(":")
+        mib, i, t0, t_stored = message.job_id.split(":")
         if int(i) < checks:
             if not torch.equal(got, seeded(int(i), got.shape[0], device)):
                 result["mismatches"] += 1
         else:
-            samples.setdefault(mib, []).append(t1 - int(t0))
-    for mib, s in samples.items():
-        result["sizes"][mib] = percentiles(s[len(s) // 10:])  # first 10%: warm-up
+            t0, t_stored = int(t0), int(t_stored)
+            for part, value in (("total", t1 - t0), ("store", t_stored - t0),
+                                ("message", t_recv - t_stored), ("read", t1 - t_recv)):
+                samples.setdefault(f"{mib}/{part}", []).append(value)
+    for key, s in samples.items():
+        mib, part = key.split("/")
+        stats = percentiles(s[len(s) // 10:])  # first 10%: warm-up
+        if part == "total":
+            result["sizes"][mib] = stats
+        else:
+            result.setdefault("parts", {}).setdefault(mib, {})[part] = stats["p50_us"]
     reader.close()
     inbox.close()
     out.close()
@@ -222,6 +232,8 @@ def main() -> int:
     print(f"producer cuda:0 -> consumer {device}; arena opened once in {arena['open_ms']:.1f} ms; "
           f"equality mismatches: {arena['mismatches']}")
     print(f"{'size':>6} {'arena p50':>10} {'arena p99':>10} {'torch p50':>10} {'torch p99':>10} {'p50 ratio':>9}")
+    for mib, parts in arena.get("parts", {}).items():
+        print(f"{mib}MiB arena p50 parts (us): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
     for mib in map(str, sizes):
         a, b = arena["sizes"][mib], baseline[mib]
         print(f"{mib + 'MiB':>6} {a['p50_us']:>9.1f}u {a['p99_us']:>9.1f}u {b['p50_us']:>9.1f}u "

@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # The encoder-stage GPU acceptance run, for the device tool on nvidia-h200-x2:
 #   run(command="bash scripts/gpu_issue3.sh", carry=[".whl"], kind="nvidia-h200-x2")
-# Results land in $OUT (JSON) and on stdout.
+# Everything is logged to $OUT/log.txt (and JSON files beside it).
 set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+exec > >(tee "$OUT/log.txt") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+ITERS=${ITERS:-1000}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-nvidia-smi topo -m | head -4
 python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())'
 rc=0
-echo "== arena handoff, same GPU"
-python3 scripts/gpu_arena_bench.py --consumer-device 0 --json "$OUT/arena_same.json" || rc=1
-echo "== arena handoff, same GPU, busy-polling consumer"
-python3 scripts/gpu_arena_bench.py --consumer-device 0 --spin --json "$OUT/arena_same_spin.json" || rc=1
-echo "== arena handoff, other GPU (peer copy)"
-timeout 300 python3 scripts/gpu_arena_bench.py --consumer-device 1 --json "$OUT/arena_cross.json" || rc=1
-echo "== encoder stage on cuda:0, consumer on cuda:1"
-timeout 180 python3 scripts/gpu_encoder_smoke.py --encoder-device 0 --consumer-device 1 || rc=1
-echo "== media backends on GPU"
-timeout 180 python3 scripts/gpu_media_check.py || rc=1
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" || { echo "!! $name failed ($?)"; rc=1; }; }
+step "arena handoff, same GPU" 120 python3 scripts/gpu_arena_bench.py --consumer-device 0 --iters "$ITERS" --json "$OUT/arena_same.json"
+step "arena handoff, other GPU (peer copy)" 120 python3 scripts/gpu_arena_bench.py --consumer-device 1 --iters "$ITERS" --json "$OUT/arena_cross.json"
+if [ "${MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && echo "MPS daemon started"
+  step "arena handoff, same GPU, under MPS" 120 python3 scripts/gpu_arena_bench.py --consumer-device 0 --iters "$ITERS" --json "$OUT/arena_same_mps.json"
+  echo quit | nvidia-cuda-mps-control
+fi
+step "encoder stage on cuda:0, consumer on cuda:1" 120 python3 scripts/gpu_encoder_smoke.py --encoder-device 0 --consumer-device 1
+step "media backends on GPU" 120 python3 scripts/gpu_media_check.py
 exit $rc
