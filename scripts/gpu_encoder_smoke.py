@@ -56,6 +56,7 @@ async def run(args) -> int:
     inbox, outbox = transport.Inbox(ctx, me), transport.Outbox(ctx)
     reader = ArenaReader()
     device = torch.device(f"cuda:{args.consumer_device}")
+    torch.cuda.set_device(device)
     failures = 0
     try:
         announce = None
@@ -109,6 +110,9 @@ async def run(args) -> int:
 
 
 def main() -> int:
+    import faulthandler
+
+    faulthandler.enable()
     p = argparse.ArgumentParser()
     p.add_argument("--encoder-device", type=int, default=0)
     p.add_argument("--consumer-device", type=int, default=0)

@@ -22,6 +22,19 @@ class StaleHandleError(Exception):
     """The handle's blocks were reused; its embedding is gone."""
 
 
+@dataclass(frozen=True)
+class PendingRead:
+    tensor: torch.Tensor
+    event: torch.cuda.Event | None  # None: the copy is already complete (CPU)
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
 @dataclass
 class _Opened:
     info: ArenaInfo
@@ -55,21 +68,44 @@ class ArenaReader:
     def is_open(self, arena_id: str) -> bool:
         return arena_id in self._arenas
 
-    def read(self, handle: ArenaHandle, device: torch.device | None = None) -> torch.Tensor:
-        """A private copy of the embedding, on `device` (default: where the
-        arena is). Raises KeyError for an arena never opened."""
+    def read(self, handle: ArenaHandle, device: torch.device | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """A private copy of the embedding, complete and checked, on `device`
+        (default: where the arena is) or in `out`."""
+        pending = self.read_async(handle, device, out)
+        pending.wait()
+        self.verify(handle)
+        return pending.tensor
+
+    def read_async(self, handle: ArenaHandle, device: torch.device | None = None,
+                   out: torch.Tensor | None = None) -> PendingRead:
+        """Start copying the embedding out. On CUDA the copy is queued on the
+        current stream of the destination, so work queued after it on that
+        stream sees the data; `wait()` before trusting it from elsewhere, then
+        `verify()`, then release the lease. Raises KeyError for an arena never
+        opened, StaleHandleError if the blocks were already reused."""
+        arena = self._arenas[handle.arena_id]
+        self.verify(handle)
+        source = arena.data[handle.offset:handle.offset + handle.nbytes]
+        if out is None:
+            out = torch.empty(handle.shape, dtype=dtype_from_name(handle.dtype),
+                              device=device if device is not None else arena.data.device)
+        elif tuple(out.shape) != tuple(handle.shape) or out.dtype != dtype_from_name(handle.dtype):
+            raise ValueError(f"output {tuple(out.shape)} {out.dtype} does not fit handle "
+                             f"{handle.shape} {handle.dtype}")
+        out.view(-1).view(torch.uint8).copy_(source, non_blocking=True)
+        event = None
+        if out.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(out.device))
+        return PendingRead(out, event)
+
+    def verify(self, handle: ArenaHandle) -> None:
+        """Raise StaleHandleError unless the handle's blocks still carry its generation."""
         arena = self._arenas[handle.arena_id]
         block = arena.info.block_bytes
         first, last = handle.offset // block, (handle.offset + max(handle.nbytes, 1) - 1) // block
         self._check(arena, handle, first, last)
-        source = arena.data[handle.offset:handle.offset + handle.nbytes]
-        out = torch.empty(handle.shape, dtype=dtype_from_name(handle.dtype),
-                          device=device if device is not None else arena.data.device)
-        out.view(-1).view(torch.uint8).copy_(source, non_blocking=True)
-        if source.is_cuda or out.is_cuda:
-            torch.cuda.current_stream(out.device if out.is_cuda else source.device).synchronize()
-        self._check(arena, handle, first, last)
-        return out
 
     @staticmethod
     def _check(arena: _Opened, handle: ArenaHandle, first: int, last: int) -> None:
