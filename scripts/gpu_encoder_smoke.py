@@ -79,6 +79,8 @@ async def run(args) -> int:
                                                      num_visual_tokens(im.height, im.width, cfg)))
         for _ in images:
             msg = await asyncio.wait_for(inbox.recv(), 60)
+            while isinstance(msg, protocol.EncoderAnnounce):  # answers to our repeated hellos
+                msg = await asyncio.wait_for(inbox.recv(), 60)
             if not isinstance(msg, protocol.EmbeddingReady):
                 print("unexpected", msg)
                 failures += 1
