@@ -1,0 +1,370 @@
+"""One step of continuous batching, planned on the CPU.
+
+`schedule()` returns a StepPlan (plain data); the runner executes it and
+`update()` applies the sampled tokens. Ledgers checked every step: the token
+budget, max_num_seqs, KV blocks, the encoder cache and, in aggregated mode, the
+local encode budget.
+
+Images: a request never waits inside a batch for an embedding that is not in
+the local encoder cache. Its chunk stops right before such a span, so the
+text in front of the image still runs; if nothing is left, a running request
+keeps its place and sits out the step, and a waiting one moves to the back of
+the queue so the requests behind it go first.
+
+Encoder-cache users: a request is a user of every image key it still has to
+read, from the moment it is added (an embedding that arrives while its request
+waits is kept, not dropped) until it has computed past the key's last span or
+ends. A preempted request recomputes from token 0, so it becomes a user of all
+its keys again: embeddings still cached stay, and keys it had already consumed
+and that are gone are listed in `StepPlan.refetch_keys` (encoded again by the
+plan in aggregated mode).
+
+Liveness under encoder-cache pressure: the cache could fill with embeddings
+that blocked requests only need later, while every request waits for an image
+that does not fit. So room is made for an image some request reads *next*
+(its first unconsumed span) by evicting entries that are nobody's next image,
+then, for a running request, waiting requests' next images. Next images of
+running requests and the spans of chunks already planned are never evicted.
+Evicted keys that are still needed are refetched (or re-encoded).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pipeline.engine.encoder_cache import EncoderCache
+from pipeline.engine.kv_blocks import BlockPool, blocks_needed
+from pipeline.engine.plan import Chunk, FinishedRequest, SchedulerConfig, StepPlan
+from pipeline.engine.request import ImageSpan, Request, RequestStatus, stop_status
+
+__all__ = ["Chunk", "FinishedRequest", "Scheduler", "SchedulerConfig", "StepPlan"]
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    encode_tokens: int
+
+
+@dataclass
+class _Draft:
+    num_tokens: int = 0
+    encodes: list[ImageSpan] = field(default_factory=list)   # aggregated: one per key
+    protected: set[str] | None = None   # set when the encodes need evictions first
+
+    @property
+    def encode_tokens(self) -> int:
+        return sum(s.length for s in self.encodes)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_pool = BlockPool(config.num_blocks, config.block_size)
+        self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []   # priority order: the last is preempted first
+        self._requests: dict[str, Request] = {}
+        self._cache_keys: dict[str, set[str]] = {}   # request id -> keys it is a user of
+        self._refetch: list[str] = []         # evicted between steps, still needed
+        self._in_flight: set[str] = set()     # keys the last plan reads until update()
+        self.stats = {"yields_total": 0, "preemptions_total": 0}
+
+    # -------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. ValueError if it can never run here."""
+        self._check_admissible(request)
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+        self._sync_cache_users(request)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request and free what it holds; False if it is unknown."""
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED) is not None
+
+    def finish(self, request_id: str, status: RequestStatus) -> FinishedRequest | None:
+        """End a request for a reason decided elsewhere (a stop string, an
+        error); frees blocks, cache uses and its queue slot. None if unknown."""
+        if not status.is_finished:
+            raise ValueError(f"finish() needs a finished status, got {status}")
+        request = self._requests.get(request_id)
+        return None if request is None else self._finish(request, status)
+
+    def embedding_available(self, key: str) -> bool:
+        return self.encoder_cache.contains(key)
+
+    def admit_embedding(self, key: str, num_tokens: int, payload: object = None) -> bool:
+        """An embedding arrived (disaggregated mode). If the cache is full and
+        some request reads `key` next, entries needed only later are evicted
+        (and listed in the next plan's refetch_keys). False: keep it pending
+        and offer it again after a later step. ValueError if its token count
+        differs from a placeholder run of a request that needs it. Call it
+        between steps; the keys of a plan not yet updated are never evicted."""
+        cache = self.encoder_cache
+        lengths = {s.length for rid in cache.users(key) for s in self._requests[rid].image_spans
+                   if s.key == key}
+        if lengths - {num_tokens}:
+            # A reused id for different content: never splice it silently.
+            raise ValueError(f"embedding {key} has {num_tokens} tokens; its requests "
+                             f"{sorted(cache.users(key))} have placeholder runs of {sorted(lengths)}")
+        if cache.admit(key, num_tokens, payload):
+            return True
+        running_next, waiting_next = _next_keys(self.running), _next_keys(self.waiting)
+        if key in running_next:
+            protected, last_resort = running_next | self._in_flight, waiting_next
+        elif key in waiting_next:
+            protected, last_resort = running_next | waiting_next | self._in_flight, set()
+        else:
+            return False
+        evicted = cache.make_room(num_tokens, protected, last_resort)
+        if evicted is None:
+            return False
+        self._refetch += [k for k in evicted if cache.is_needed(k) and k not in self._refetch]
+        return cache.admit(key, num_tokens, payload)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ------------------------------------------------------------ scheduling
+
+    def schedule(self) -> StepPlan:
+        self.encoder_cache.free_unused()
+        plan = StepPlan(refetch_keys=self._refetch)
+        self._refetch = []
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.local_encode_tokens)
+        self._schedule_running(plan, budget)
+        if not plan.preempted:   # blocks were short for running requests: admit nobody
+            self._schedule_waiting(plan, budget)
+        self._in_flight = _keys_read(plan)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: _Budget) -> None:
+        i = 0
+        while i < len(self.running) and budget.tokens > 0:
+            request = self.running[i]
+            draft = self._draft_chunk(request, budget, plan)
+            if draft.num_tokens == 0:
+                self._note_yield(request, plan)   # keeps its place in the running list
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, draft.num_tokens, plan):
+                return   # it preempted itself: it was the last running request
+            self._commit(request, draft, budget, plan)
+            i += 1
+
+    def _schedule_waiting(self, plan: StepPlan, budget: _Budget) -> None:
+        # Each waiting request is looked at once per step, so one that moves
+        # to the back is not met again.
+        for _ in range(len(self.waiting)):
+            if budget.tokens == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            request = self.waiting[0]
+            draft = self._draft_chunk(request, budget, plan)
+            if draft.num_tokens == 0:
+                self.waiting.rotate(-1)
+                self._note_yield(request, plan)
+                continue
+            if not self._grow_blocks(request, draft.num_tokens):
+                return   # no preemption to admit; later arrivals do not jump the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._commit(request, draft, budget, plan)
+
+    def _draft_chunk(self, request: Request, budget: _Budget, plan: StepPlan) -> _Draft:
+        """The longest next chunk within the token budget that reads only local
+        embeddings (or, in aggregated mode, ones it can encode this step)."""
+        start = request.num_computed_tokens
+        end = start + min(request.num_tokens - start, budget.tokens)
+        draft = _Draft()
+        for span in request.spans_in(start, end):
+            if self.encoder_cache.contains(span.key) or any(e.key == span.key for e in draft.encodes):
+                continue
+            if self._can_encode(request, span, draft, budget, plan):
+                draft.encodes.append(span)
+                if draft.protected is None:
+                    continue
+                end = min(end, span.end)   # it needs evictions: read nothing past it
+                break
+            end = max(span.start, start)   # stop right before the missing image
+            break
+        draft.num_tokens = end - start
+        return draft
+
+    def _can_encode(self, request: Request, span: ImageSpan, draft: _Draft, budget: _Budget,
+                    plan: StepPlan) -> bool:
+        total = draft.encode_tokens + span.length
+        if not self.config.aggregated or total > budget.encode_tokens:
+            return False
+        if self.encoder_cache.fits(total):
+            return True
+        # Keep what this chunk reads up to the end of `span` (the chunk then
+        # stops there); the request's later images may go.
+        protected = {s.key for s in request.spans_in(request.num_computed_tokens, span.end)}
+        protected |= _keys_read(plan) | _next_keys(self.running)
+        if request.status is RequestStatus.WAITING:
+            protected |= _next_keys(self.waiting)
+        if self.encoder_cache.free_tokens + self.encoder_cache.evictable_tokens(protected) < total:
+            return False
+        draft.protected = protected
+        return True
+
+    def _commit(self, request: Request, draft: _Draft, budget: _Budget, plan: StepPlan) -> None:
+        if draft.protected is not None and self.encoder_cache.make_room(
+                draft.encode_tokens, draft.protected, _next_keys(self.waiting)) is None:
+            raise RuntimeError("encoder cache could not make the room the draft counted on")
+        for span in draft.encodes:
+            # Reserve the space now; the runner fills it before the forward.
+            if not self.encoder_cache.admit(span.key, span.length):
+                raise RuntimeError(f"encoder cache refused {span.key} after the draft checked it fits")
+            budget.encode_tokens -= span.length
+            plan.encode_keys.append(span.key)
+        start, n = request.num_computed_tokens, draft.num_tokens
+        budget.tokens -= n
+        plan.chunks.append(Chunk(request.request_id, start, n, request.spans_in(start, start + n),
+                                 sample=start + n == request.num_tokens))
+
+    # ------------------------------------------------------------- KV blocks
+
+    def _grow_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        """Blocks for `num_new_tokens` more tokens; all or nothing."""
+        total = request.num_computed_tokens + num_new_tokens
+        missing = blocks_needed(total, self.config.block_size) - len(request.block_ids)
+        if missing <= 0:
+            return True
+        ids = self.block_pool.allocate(missing)
+        if ids is None:
+            return False
+        request.block_ids.extend(ids)
+        return True
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: StepPlan) -> bool:
+        """Preempt from the tail of the running list until `request` gets its
+        blocks; False if it had to preempt `request` itself."""
+        while not self._grow_blocks(request, num_new_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        consumed_before = request.num_computed_tokens
+        self.running.remove(request)
+        self._free_blocks(request)
+        request.num_computed_tokens = 0   # recompute: the KV is gone
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._sync_cache_users(request)
+        plan.preempted.append(request.request_id)
+        self.stats["preemptions_total"] += 1
+        if not self.config.aggregated:
+            for span in request.image_spans:
+                gone = span.end <= consumed_before and not self.encoder_cache.contains(span.key)
+                if gone and span.key not in plan.refetch_keys:
+                    plan.refetch_keys.append(span.key)
+
+    def _free_blocks(self, request: Request) -> None:
+        if request.block_ids:
+            self.block_pool.free(request.block_ids)
+            request.block_ids = []
+
+    # ---------------------------------------------------------------- update
+
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[FinishedRequest]:
+        """Apply an executed plan: advance progress, append sampled tokens for
+        chunks due a sample, end stopped requests. Chunks of requests that
+        ended after the plan was made are skipped."""
+        self._in_flight = set()
+        finished: list[FinishedRequest] = []
+        for chunk in plan.chunks:
+            request = self._requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            if request.num_computed_tokens != chunk.start:
+                raise RuntimeError(f"stale plan for {chunk.request_id}: chunk starts at {chunk.start}, "
+                                   f"{request.num_computed_tokens} tokens computed")
+            request.num_computed_tokens += chunk.num_tokens
+            if chunk.sample:
+                if chunk.request_id not in sampled:
+                    raise ValueError(f"no sampled token for request {chunk.request_id}")
+                request.output_token_ids.append(sampled[chunk.request_id])
+                status = stop_status(request)
+                if status is not None:
+                    finished.append(self._finish(request, status))
+                    continue
+            self._sync_cache_users(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> FinishedRequest:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._free_blocks(request)
+        request.status = status
+        request.finish_reason = status.finish_reason
+        self._sync_cache_users(request)
+        del self._requests[request.request_id]
+        return FinishedRequest(request.request_id, status, status.finish_reason,
+                               tuple(request.output_token_ids), request.num_prompt_tokens,
+                               request.num_preemptions)
+
+    # --------------------------------------------------------------- helpers
+
+    def _sync_cache_users(self, request: Request) -> None:
+        """Make the request a user of exactly the keys it still has to read."""
+        rid = request.request_id
+        needed = set() if request.status.is_finished else request.keys_still_needed()
+        held = self._cache_keys.pop(rid, set())
+        for key in sorted(needed - held):
+            self.encoder_cache.add_user(key, rid)
+        for key in sorted(held - needed):   # sorted: a deterministic freed-key order
+            self.encoder_cache.release_user(key, rid)
+        if needed:
+            self._cache_keys[rid] = needed
+
+    def _note_yield(self, request: Request, plan: StepPlan) -> None:
+        plan.yielded.append(request.request_id)
+        self.stats["yields_total"] += 1
+
+    def _check_admissible(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request {rid} is already scheduled")
+        if (request.status is not RequestStatus.WAITING or request.num_computed_tokens
+                or request.block_ids or request.output_token_ids):
+            raise ValueError(f"request {rid} must be new (waiting, nothing computed or generated)")
+        longest = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if blocks_needed(longest, self.config.block_size) > self.config.num_blocks:
+            raise ValueError(f"request {rid}: {longest} tokens need more KV blocks than the "
+                             f"{self.config.num_blocks} the cache has")
+        for span in request.image_spans:
+            if span.length > self.config.encoder_cache_tokens:
+                raise ValueError(f"request {rid}: an image of {span.length} tokens exceeds "
+                                 f"encoder_cache_tokens={self.config.encoder_cache_tokens}")
+            if self.config.aggregated and span.length > self.config.local_encode_tokens:
+                raise ValueError(f"request {rid}: an image of {span.length} tokens exceeds "
+                                 f"local_encode_tokens={self.config.local_encode_tokens}")
+
+
+def _next_keys(requests) -> set[str]:
+    return {key for r in requests if (key := r.next_image_key()) is not None}
+
+
+def _keys_read(plan: StepPlan) -> set[str]:
+    return {span.key for chunk in plan.chunks for span in chunk.image_spans_in_chunk}
