@@ -1,0 +1,168 @@
+"""The generator's engine: schedule -> execute -> update, one step at a time.
+
+Holds the scheduler (plain CPU planning), the runner (the model), per-request
+text state, and the embeddings that arrived before there was room for them.
+It does no I/O: the generator process feeds it requests and embeddings and
+ships its outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.engine.kv_blocks import num_blocks_for_memory
+from pipeline.engine.output import RequestOutput, TextState
+from pipeline.engine.paged_attention import PagedKVCache
+from pipeline.engine.plan import FinishedRequest, SchedulerConfig
+from pipeline.engine.request import ImageSpan, Request, RequestStatus, SamplingParams
+from pipeline.engine.runner import ModelRunner, PromptGeometry
+from pipeline.engine.sampler import SamplingRow, make_generator, sample
+from pipeline.engine.scheduler import Scheduler
+from pipeline.processing.processor import MultimodalPrompt
+from pipeline.processing.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    block_size: int = 16
+    kv_cache_bytes: int = 64 << 20
+    encoder_cache_tokens: int = 16384
+    aggregated: bool = False
+    local_encode_tokens: int = 8192
+    # An embedding may arrive before its request (encoders can beat the
+    # proxy's request path); one that no request needs is dropped after this.
+    orphan_embedding_ttl: float = 30.0
+
+
+@dataclass
+class _Live:
+    """Engine-side state of one request."""
+
+    geometry: PromptGeometry
+    text: TextState
+    generator: torch.Generator | None
+    image_inputs: dict[str, tuple[torch.Tensor, tuple[int, int, int]]]
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, config: EngineConfig,
+                 device: torch.device) -> None:
+        text = model.cfg.text
+        dtype = next(model.parameters()).dtype
+        num_blocks = num_blocks_for_memory(config.kv_cache_bytes, text.num_hidden_layers,
+                                           text.num_key_value_heads, text.head_dim,
+                                           torch.empty(0, dtype=dtype).element_size(), config.block_size)
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(SchedulerConfig(
+            config.max_num_batched_tokens, config.max_num_seqs, config.block_size, num_blocks,
+            config.encoder_cache_tokens, config.aggregated,
+            config.local_encode_tokens if config.aggregated else 0))
+        kv = PagedKVCache(text.num_hidden_layers, num_blocks, config.block_size, text.num_key_value_heads,
+                          text.head_dim, dtype, device)
+        self.runner = ModelRunner(model, kv, device)
+        self.live: dict[str, _Live] = {}
+        self.pending_embeddings: dict[str, tuple[torch.Tensor, float]] = {}
+        self.refetch: list[str] = []
+        self._arrivals = 0
+
+    # ---------------------------------------------------------------- inputs
+
+    def add_request(self, request_id: str, prompt: MultimodalPrompt, image_keys: list[str],
+                    params: SamplingParams,
+                    image_inputs: list[tuple[torch.Tensor, tuple[int, int, int]]] | None = None) -> None:
+        """Queue a request. `image_keys[i]` names the embedding of image i
+        (its content hash). In aggregated mode `image_inputs[i]` is image i's
+        (pixel_values, grid), encoded here when the scheduler says so."""
+        if len(image_keys) != len(prompt.image_spans):
+            raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
+        spans = tuple(ImageSpan(start, length, key) for (start, length), key in zip(prompt.image_spans, image_keys))
+        request = Request(request_id, list(prompt.token_ids), spans, params,
+                          tuple(self.tokenizer.eos_token_ids), self._arrivals)
+        self._arrivals += 1
+        positions, delta = self.model.prompt_positions(len(prompt.token_ids), prompt.image_spans, prompt.grids)
+        inputs = dict(zip(image_keys, image_inputs)) if image_inputs else {}
+        self.scheduler.add_request(request)
+        self.live[request_id] = _Live(PromptGeometry(positions, delta),
+                                      TextState.create(self.tokenizer, params.stop),
+                                      make_generator(params), inputs)
+
+    def add_embedding(self, key: str, embedding: torch.Tensor) -> None:
+        """An image embedding arrived; kept pending until the cache has room.
+        ValueError if its length disagrees with a request's placeholder run."""
+        if not self.scheduler.admit_embedding(key, embedding.shape[0], embedding):
+            self.pending_embeddings[key] = (embedding, time.monotonic())
+
+    def abort(self, request_id: str) -> bool:
+        self.live.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ step
+
+    def step(self) -> list[RequestOutput]:
+        self._admit_pending()
+        plan = self.scheduler.schedule()
+        self.refetch += plan.refetch_keys
+        if plan.encode_keys:
+            self._encode_locally(plan.encode_keys)
+        sampled: dict[str, int] = {}
+        if plan.chunks:
+            cache = self.scheduler.encoder_cache
+            due, logits = self.runner.execute(plan, {c.request_id: self.scheduler.get_request(c.request_id)
+                                                     for c in plan.chunks},
+                                              {c.request_id: self.live[c.request_id].geometry
+                                               for c in plan.chunks}, cache.get)
+            rows = [self._sampling_row(c.request_id) for c in due]
+            sampled = dict(zip((c.request_id for c in due), sample(logits, rows)))
+        finished = {f.request_id: f for f in self.scheduler.update(plan, sampled)}
+        outputs = [self._output(rid, token, finished.get(rid)) for rid, token in sampled.items()]
+        self.scheduler.encoder_cache.drain_freed()
+        return outputs
+
+    def _admit_pending(self) -> None:
+        now = time.monotonic()
+        cache = self.scheduler.encoder_cache
+        for key, (embedding, since) in list(self.pending_embeddings.items()):
+            if self.scheduler.admit_embedding(key, embedding.shape[0], embedding):
+                del self.pending_embeddings[key]
+            elif not cache.is_needed(key) and now - since >= self.config.orphan_embedding_ttl:
+                del self.pending_embeddings[key]
+
+    def _encode_locally(self, keys: list[str]) -> None:
+        inputs = {}
+        for live in self.live.values():
+            inputs.update({k: v for k, v in live.image_inputs.items() if k in keys})
+        embeddings = self.runner.encode_images([inputs[k] for k in keys])
+        for key, embedding in zip(keys, embeddings):
+            self.scheduler.encoder_cache.set_payload(key, embedding)
+
+    def _sampling_row(self, request_id: str) -> SamplingRow:
+        request = self.scheduler.get_request(request_id)
+        params = request.sampling_params
+        banned: tuple[int, ...] = ()
+        if request.num_output_tokens < params.min_tokens:
+            banned = tuple(set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids)))
+        return SamplingRow(params, self.live[request_id].generator, banned)
+
+    def _output(self, request_id: str, token: int, finished: FinishedRequest | None) -> RequestOutput:
+        live = self.live[request_id]
+        delta = live.text.push(token)
+        request = self.scheduler.get_request(request_id)
+        if finished is None and live.text.stopped:
+            finished = self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
+        if finished is None:
+            return RequestOutput(request_id, (token,), delta, num_prompt_tokens=request.num_prompt_tokens,
+                                 num_output_tokens=request.num_output_tokens)
+        delta += live.text.finish()
+        del self.live[request_id]
+        return RequestOutput(request_id, (token,), delta, True, finished.finish_reason,
+                             finished.num_prompt_tokens, len(finished.output_token_ids))

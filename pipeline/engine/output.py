@@ -1,0 +1,86 @@
+"""From sampled token ids to what a client sees: text deltas, stop strings,
+finish reasons.
+
+Stop strings are found in the detokenized text. Text that could still become
+the start of a stop string is held back, so a client never receives part of
+a stop string; when one matches, the output is cut before it and the request
+is finished with reason "stop".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.processing.detokenize import IncrementalDetokenizer
+from pipeline.processing.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What changed for one request in one step."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class TextState:
+    """One request's text so far and the part not yet sent."""
+
+    detokenizer: IncrementalDetokenizer
+    stop: tuple[str, ...]
+    text: str = ""
+    sent: int = 0
+    stopped: bool = False
+    token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, tokenizer: Tokenizer, stop: tuple[str, ...]) -> TextState:
+        return cls(IncrementalDetokenizer(tokenizer), stop)
+
+    def push(self, token_id: int) -> str:
+        """Add a token; the text that may be sent now. Sets `stopped` when a
+        stop string appeared (the text is then cut before it)."""
+        self.token_ids.append(token_id)
+        self.text += self.detokenizer.push(token_id)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The rest of the text at the end of the request."""
+        if not self.stopped:
+            self.text += self.detokenizer.flush()
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stop and not self.stopped:
+            # Search only where a new match can start.
+            start = max(0, self.sent - max(len(s) for s in self.stop) + 1)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.stopped = True
+        limit = len(self.text)
+        if self.stop and not self.stopped and not final:
+            limit -= _partial_stop_suffix(self.text, self.stop)
+        if limit <= self.sent:
+            return ""
+        delta = self.text[self.sent:limit]
+        self.sent = limit
+        return delta
+
+
+def _partial_stop_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that begins some stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if stop.startswith(text[-k:]):
+                longest = k
+                break
+    return longest

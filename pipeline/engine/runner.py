@@ -1,0 +1,73 @@
+"""Executes a step plan on the model: builds the flat batch (token ids,
+M-RoPE positions, spliced image embeddings, paged-attention layout), runs one
+forward over every chunk, and returns the logits of the rows due a sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.engine.paged_attention import PagedKVCache, ReferencePagedAttention, SequenceSlice, StepLayout
+from pipeline.engine.plan import Chunk, StepPlan
+from pipeline.engine.request import Request
+
+
+@dataclass
+class PromptGeometry:
+    """What the runner needs to place a request's tokens: its prompt's
+    positions [3, prompt_len] and the decode delta."""
+
+    positions: torch.Tensor
+    delta: int
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+
+    @torch.inference_mode()
+    def encode_images(self, inputs: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
+        """Aggregated mode: one vision forward over several images' pixels."""
+        pixels = torch.cat([p for p, _ in inputs]).to(self.device)
+        return self.model.encode_images(pixels, [g for _, g in inputs])
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, requests: dict[str, Request], geometry: dict[str, PromptGeometry],
+                embeddings) -> tuple[list[Chunk], torch.Tensor]:
+        """Run the plan's chunks; returns the chunks due a sample and their
+        logits rows [n, vocab]. `embeddings(key)` gives a cached image embedding."""
+        ids, positions, slices, splices = [], [], [], []
+        offset = 0
+        for chunk in plan.chunks:
+            request = requests[chunk.request_id]
+            ids += request.all_token_ids[chunk.start:chunk.end]
+            positions.append(self._positions(geometry[chunk.request_id], chunk, request.num_prompt_tokens))
+            slices.append(SequenceSlice(offset, chunk.num_tokens, chunk.start, tuple(request.block_ids)))
+            for span in chunk.image_spans_in_chunk:
+                lo, hi = max(chunk.start, span.start), min(chunk.end, span.end)
+                splices.append((offset + lo - chunk.start, span.key, lo - span.start, hi - lo))
+            offset += chunk.num_tokens
+        embeds = self.model.embed(torch.tensor(ids, device=self.device))
+        for at, key, first, count in splices:
+            embeds[at:at + count] = embeddings(key)[first:first + count].to(embeds.dtype)
+        layout = StepLayout.build(slices, self.kv_cache.block_size, self.device)
+        hidden = self.model(embeds, torch.cat(positions, dim=1).to(self.device),
+                            ReferencePagedAttention(self.kv_cache, layout))
+        due = [c for c in plan.chunks if c.sample]
+        rows = [s.offset + s.query_len - 1 for s, c in zip(slices, plan.chunks) if c.sample]
+        logits = self.model.logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
+        return due, logits
+
+    def _positions(self, geometry: PromptGeometry, chunk: Chunk, prompt_len: int) -> torch.Tensor:
+        """[3, chunk.num_tokens]: the prompt's own positions where the chunk
+        is in the prompt, the model's decode positions after it."""
+        parts = []
+        if chunk.start < prompt_len:
+            parts.append(geometry.positions[:, chunk.start:min(chunk.end, prompt_len)])
+        if chunk.end > prompt_len:
+            first = max(chunk.start, prompt_len)
+            parts.append(self.model.decode_positions(first, chunk.end - first, geometry.delta))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
