@@ -70,6 +70,11 @@ def run_engine(engine, model, requests, arrivals, embed_delay, max_tokens=12, ab
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 finished[out.request_id] = out.finish_reason
+        # Embeddings the engine evicted while still needed: the generator asks
+        # the encoders again; here they simply arrive once more.
+        for key in engine.refetch:
+            due.setdefault(step + 1, []).append(key)
+        engine.refetch.clear()
         step += 1
         if not engine.has_work() and step > max(arrivals) and not due:
             break
@@ -94,3 +99,77 @@ def test_batched_requests_equal_each_run_alone(tiny, aggregated):
     assert len(engine.scheduler.encoder_cache) == 0
     if not aggregated:
         assert engine.scheduler.stats["yields_total"] > 0  # images really were late
+
+
+def test_stress_random_requests_delays_and_aborts(tiny):
+    """200 random requests, random embedding delays, random aborts: each one
+    completes or aborts cleanly and nothing is left allocated."""
+    model, processor = tiny
+    rng = random.Random(1234)
+    requests, arrivals, delay, aborts = {}, {}, {}, {}
+    for i in range(200):
+        rid = f"s{i}"
+        requests[rid] = make_request(processor, 1000 + i, rng.choice([0, 0, 1, 1, 2, 3]))
+        arrival = rng.randrange(120)
+        arrivals.setdefault(arrival, []).append(rid)
+        for key in requests[rid][1]:
+            delay[key] = rng.randrange(15)
+        if rng.random() < 0.2:
+            aborts.setdefault(arrival + rng.randrange(20), []).append(rid)
+    # Tight KV and encoder-cache budgets force preemption and pending embeddings.
+    config = EngineConfig(max_num_batched_tokens=128, max_num_seqs=16, block_size=8, kv_cache_bytes=256 << 10,
+                          encoder_cache_tokens=400, orphan_embedding_ttl=0.0)
+    engine = Engine(model, processor.tokenizer, config, torch.device("cpu"))
+    max_tokens = 6
+    outputs, finished = run_engine(engine, model, requests, arrivals, delay, max_tokens, aborts)
+    aborted = {rid for ids in aborts.values() for rid in ids}
+    assert set(finished) == set(requests)
+    for rid in requests:
+        if finished[rid] == "length":
+            assert len(outputs[rid]) == max_tokens
+        else:
+            assert finished[rid] == "abort" and rid in aborted
+    assert engine.scheduler.stats["preemptions_total"] > 0
+    engine.step()  # lets embeddings of aborted requests age out
+    assert engine.scheduler.block_pool.num_used == 0
+    assert len(engine.scheduler.encoder_cache) == 0
+    assert engine.scheduler.encoder_cache.num_users_total() == 0
+    assert not engine.pending_embeddings
+    assert not engine.live and not engine.has_work()
+
+
+def test_sampling_options(tiny):
+    model, processor = tiny
+    prompt, keys, _ = make_request(processor, 5, 0)
+    engine = Engine(model, processor.tokenizer, EngineConfig(), torch.device("cpu"))
+
+    def run(rid, **params):
+        engine.add_request(rid, prompt, [], SamplingParams(**params))
+        tokens, reason, text = [], None, ""
+        while engine.has_work():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                text += out.new_text
+                reason = out.finish_reason or reason
+        return tokens, reason, text
+
+    greedy, _, greedy_text = run("g", max_tokens=10, ignore_eos=True)
+    seeded = [run(f"s{i}", max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)[0] for i in range(2)]
+    assert seeded[0] == seeded[1]                     # per-request seed is reproducible
+    other = run("s-other", max_tokens=10, temperature=1.0, seed=8, ignore_eos=True)[0]
+    assert other != seeded[0]
+    top1 = run("k1", max_tokens=10, temperature=2.0, top_k=1, seed=3, ignore_eos=True)[0]
+    assert top1 == greedy                             # top-k 1 is greedy
+    tiny_p = run("p", max_tokens=10, temperature=2.0, top_p=1e-6, seed=3, ignore_eos=True)[0]
+    assert tiny_p == greedy                           # top-p keeps at least the top token
+    stop_id = greedy[3]
+    first = greedy.index(stop_id)
+    tokens, reason, _ = run("stopid", max_tokens=10, stop_token_ids=[stop_id], ignore_eos=True)
+    assert tokens == greedy[:first + 1] and reason == "stop"
+    tokens, reason, _ = run("min", max_tokens=10, min_tokens=6, stop_token_ids=[stop_id], ignore_eos=True)
+    assert stop_id not in tokens[:6]
+    # A stop string cuts the text before it and is never sent in part.
+    target = greedy_text[5:8]
+    if target.strip():
+        _, reason, text = run("stopstr", max_tokens=10, stop=[target], ignore_eos=True)
+        assert reason == "stop" and target not in text and greedy_text.startswith(text)

@@ -22,6 +22,7 @@ class SamplingRow:
     banned: tuple[int, ...] = ()  # token ids masked this step (min_tokens not reached)
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     """logits [n, vocab] (any float dtype) -> one token id per row."""
     if not rows:
