@@ -127,6 +127,64 @@ class EncoderAnnounce(_Msg, tag="announce"):
     widths: dict[str, int]
 
 
+class FetchEmbedding(_Msg, tag="fetch"):
+    """Ask an encoder to hand out an embedding it already holds again (the
+    generator evicted its copy while a request still needs it). Answered
+    like an EncodeJob: EmbeddingReady, or EncodeFailed if it is gone."""
+
+    job_id: str
+    request_id: str
+    content_hash: str
+    consumer: str
+    expected_tokens: int
+
+
+class Sampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    max_tokens: int
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+class GenerateRequest(_Msg, tag="generate"):
+    """A whole request, sent once. Image i fills prompt positions
+    image_spans[i] with the embedding of content hash image_keys[i] (grid
+    grids[i]), which encoders deliver separately. In aggregated mode the
+    generator encodes the images itself from `media`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    image_spans: tuple[tuple[int, int], ...]
+    image_keys: tuple[str, ...]
+    grids: tuple[tuple[int, int, int], ...]
+    sampling: Sampling
+    reply_to: str
+    media: tuple[bytes, ...] = ()
+
+
+class TokenDelta(_Msg, tag="delta"):
+    """What a request produced since the last delta. `error` is set when it
+    ended in failure (finish_reason "error")."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool = False
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str = ""
+
+
+class AbortRequest(_Msg, tag="abort"):
+    request_ids: tuple[str, ...]
+
+
 class StatsRequest(_Msg, tag="stats?"):
     reply_to: str
 
@@ -141,7 +199,8 @@ class StageStats(_Msg, tag="stats"):
 
 
 Message = (EncodeJob | EmbeddingReady | EncodeFailed | ReleaseLease | Heartbeat | Hello
-           | EncoderAnnounce | StatsRequest | StageStats)
+           | EncoderAnnounce | StatsRequest | StageStats | FetchEmbedding | GenerateRequest
+           | TokenDelta | AbortRequest)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

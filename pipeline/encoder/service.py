@@ -74,6 +74,8 @@ class EncoderService:
         """React to one inbox message; never blocks."""
         if isinstance(message, protocol.EncodeJob):
             self._on_job(message)
+        elif isinstance(message, protocol.FetchEmbedding):
+            self._on_fetch(message)
         elif isinstance(message, protocol.ReleaseLease):
             for lease_id in message.lease_ids:
                 self.store.index.release(lease_id)
@@ -115,6 +117,17 @@ class EncoderService:
         elif self.flight.join(key, job):
             self.to_decode.append((key, job.media))
             self._decode_wake.set()
+
+    def _on_fetch(self, fetch: protocol.FetchEmbedding) -> None:
+        job = protocol.EncodeJob(fetch.job_id, fetch.request_id, fetch.content_hash, b"", fetch.consumer,
+                                 fetch.expected_tokens)
+        entry = self.store.index.get(fetch.content_hash)
+        if entry is not None and entry.state is State.READY:
+            self._deliver(job, entry, dedup=True)
+        elif fetch.content_hash in self.flight:
+            self.flight.join(fetch.content_hash, job)
+        else:
+            self._fail(job, "embedding no longer in the arena", retryable=True)
 
     # ------------------------------------------------------------ pipeline
 

@@ -1,0 +1,226 @@
+"""The generator's engine thread: messages in, engine steps, deltas out.
+
+Runs on one thread that owns the engine, the arena reader and the outgoing
+sockets; a receiver thread only decodes frames into `inbound`. Each turn:
+apply every queued message, fail requests whose images are overdue, run one
+engine step, send the deltas. Embeddings are copied out of the encoders'
+arenas as they arrive and their leases released at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from pipeline import protocol
+from pipeline.arena.reader import ArenaReader, StaleHandleError
+from pipeline.engine.engine import Engine
+from pipeline.engine.output import RequestOutput
+from pipeline.engine.request import SamplingParams
+from pipeline.processing.processor import MultimodalPrompt
+
+log = logging.getLogger("epd.generator")
+
+
+@dataclass
+class _Tracked:
+    reply_to: str
+    missing: set[str]            # image keys not yet delivered
+    deadline: float
+    encoders: dict[str, str] = field(default_factory=dict)  # key -> encoder address
+
+
+class GeneratorService:
+    def __init__(self, engine: Engine, address: str, device: torch.device, send: Callable,
+                 encoders: list[str], embedding_timeout: float = 60.0,
+                 decode_images: Callable | None = None, heartbeat_interval: float = 1.0) -> None:
+        self.engine = engine
+        self.address = address
+        self.device = device
+        self.send = send
+        self.encoders = encoders
+        self.embedding_timeout = embedding_timeout
+        self.decode_images = decode_images   # aggregated mode: media bytes -> [(pixels, grid)]
+        self.heartbeat_interval = heartbeat_interval
+        self.reader = ArenaReader()
+        self.tracked: dict[str, _Tracked] = {}
+        self.key_source: dict[str, str] = {}     # image key -> encoder address that delivered it
+        self.encoder_addresses: dict[str, str] = {}  # encoder id -> inbox address, from announcements
+        self.waiting_for_arena: list[protocol.EmbeddingReady] = []
+        self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0}
+        self._last_heartbeat = 0.0
+
+    # ----------------------------------------------------------------- loop
+
+    def run(self, inbound: queue.SimpleQueue, stop: threading.Event) -> None:
+        for address in self.encoders:
+            self._send(address, protocol.Hello(self.address, self.address))
+        while not stop.is_set():
+            idle = not self.engine.has_work()
+            self._drain(inbound, block=idle)
+            self._expire_overdue()
+            self._heartbeat()
+            if self.engine.has_work():
+                for output in self.engine.step():
+                    self._emit(output)
+                self._refetch()
+        self.reader.close()
+
+    def _drain(self, inbound: queue.SimpleQueue, block: bool) -> None:
+        try:
+            message = inbound.get(timeout=0.05) if block else inbound.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self.handle(message)
+            try:
+                message = inbound.get_nowait()
+            except queue.Empty:
+                return
+
+    # ------------------------------------------------------------- messages
+
+    def handle(self, message: protocol.Message) -> None:
+        if isinstance(message, protocol.GenerateRequest):
+            self._on_generate(message)
+        elif isinstance(message, protocol.EmbeddingReady):
+            self._on_embedding(message)
+        elif isinstance(message, protocol.EncodeFailed):
+            self._fail_key(message.content_hash, f"image encoding failed: {message.reason}")
+        elif isinstance(message, protocol.AbortRequest):
+            for request_id in message.request_ids:
+                self.engine.abort(request_id)
+                self.tracked.pop(request_id, None)
+        elif isinstance(message, protocol.EncoderAnnounce):
+            self.encoder_addresses[message.encoder_id] = message.address
+            self.reader.open(message.arena)
+            pending, self.waiting_for_arena = self.waiting_for_arena, []
+            for ready in pending:
+                self._on_embedding(ready)
+        elif isinstance(message, protocol.StatsRequest):
+            self._send(message.reply_to, self.stats())
+        else:
+            log.warning("ignoring unexpected %s", type(message).__name__)
+
+    def _on_generate(self, req: protocol.GenerateRequest) -> None:
+        self.counters["requests"] += 1
+        s = req.sampling
+        try:
+            params = SamplingParams(s.max_tokens, s.min_tokens, s.temperature, s.top_k, s.top_p, s.seed,
+                                    s.stop_token_ids, s.stop, s.ignore_eos)
+            prompt = MultimodalPrompt(list(req.prompt_token_ids), [tuple(x) for x in req.image_spans],
+                                      [tuple(g) for g in req.grids])
+            inputs = self.decode_images(req.media) if self.decode_images is not None and req.image_keys else None
+            self.engine.add_request(req.request_id, prompt, list(req.image_keys), params, inputs)
+        except ValueError as exc:
+            self._send(req.reply_to, protocol.TokenDelta(req.request_id, (), "", True, "error", error=str(exc)))
+            self.counters["errors"] += 1
+            return
+        missing = set() if self.decode_images is not None else set(req.image_keys)
+        missing -= {k for k in missing if self.engine.scheduler.embedding_available(k)
+                    or k in self.engine.pending_embeddings}
+        self.tracked[req.request_id] = _Tracked(req.reply_to, missing, time.monotonic() + self.embedding_timeout)
+
+    def _on_embedding(self, ready: protocol.EmbeddingReady) -> None:
+        if not self.reader.is_open(ready.handle.arena_id):
+            # An encoder we have not heard from: ask it, keep the handle (leased) meanwhile.
+            self.waiting_for_arena.append(ready)
+            for address in self.encoders:
+                self._send(address, protocol.Hello(self.address, self.address))
+            return
+        encoder = self.encoder_addresses.get(ready.encoder_id, "")
+        try:
+            embedding = self.reader.read(ready.handle, device=self.device)
+        except StaleHandleError as exc:
+            self._fail_key(ready.content_hash, f"image embedding lost: {exc}")
+            return
+        finally:
+            self._send(encoder, protocol.ReleaseLease((ready.lease_id,), self.address))
+        self.counters["embeddings"] += 1
+        self.key_source[ready.content_hash] = encoder
+        try:
+            self.engine.add_embedding(ready.content_hash, embedding)
+        except ValueError as exc:
+            self._fail_key(ready.content_hash, str(exc))
+            return
+        for tracked in self.tracked.values():
+            tracked.missing.discard(ready.content_hash)
+
+    # ------------------------------------------------------------- failures
+
+    def _fail_key(self, key: str, reason: str) -> None:
+        for request_id, tracked in list(self.tracked.items()):
+            request = self.engine.scheduler.get_request(request_id)
+            if request is not None and any(s.key == key for s in request.image_spans):
+                self._fail(request_id, reason)
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        tracked = self.tracked.pop(request_id, None)
+        self.engine.abort(request_id)
+        self.counters["errors"] += 1
+        if tracked is not None:
+            self._send(tracked.reply_to, protocol.TokenDelta(request_id, (), "", True, "error", error=reason))
+
+    def _expire_overdue(self) -> None:
+        now = time.monotonic()
+        for request_id, tracked in list(self.tracked.items()):
+            if tracked.missing and now > tracked.deadline:
+                self._fail(request_id, f"image embedding did not arrive within {self.embedding_timeout:g} s")
+
+    # --------------------------------------------------------------- output
+
+    def _emit(self, output: RequestOutput) -> None:
+        tracked = self.tracked.get(output.request_id)
+        if tracked is None:
+            return
+        if output.finished:
+            del self.tracked[output.request_id]
+        self._send(tracked.reply_to, protocol.TokenDelta(
+            output.request_id, output.new_token_ids, output.new_text, output.finished,
+            output.finish_reason or "", output.num_prompt_tokens, output.num_output_tokens))
+
+    def _refetch(self) -> None:
+        keys, self.engine.refetch = self.engine.refetch, []
+        for key in keys:
+            address = self.key_source.get(key)
+            users = self.engine.scheduler.encoder_cache.users(key)
+            if not address or not users:
+                self._fail_key(key, "image embedding evicted and its encoder is unknown")
+                continue
+            request = self.engine.scheduler.get_request(next(iter(users)))
+            length = next(s.length for s in request.image_spans if s.key == key)
+            self._send(address, protocol.FetchEmbedding(f"refetch-{key}", request.request_id, key,
+                                                        self.address, length))
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.heartbeat_interval:
+            self._last_heartbeat = now
+            for address in self.encoders:
+                self._send(address, protocol.Heartbeat(self.address, time.time()))
+
+    def stats(self) -> protocol.StageStats:
+        scheduler = self.engine.scheduler
+        gauges = {"kv_blocks_used": float(scheduler.block_pool.num_used),
+                  "kv_blocks_total": float(scheduler.block_pool.num_used + scheduler.block_pool.num_free),
+                  "running": float(scheduler.num_running), "waiting": float(scheduler.num_waiting),
+                  "encoder_cache_tokens": float(scheduler.encoder_cache.used_tokens),
+                  "pending_embeddings": float(len(self.engine.pending_embeddings))}
+        counters = dict(self.counters, yields=scheduler.stats["yields_total"],
+                        preemptions=scheduler.stats["preemptions_total"])
+        return protocol.StageStats("generator", self.address, counters, gauges)
+
+    # -------------------------------------------------------------- sending
+
+    def _send(self, address: str, message: protocol.Message) -> None:
+        try:
+            self.send(address, message)
+        except zmq.ZMQError as exc:
+            log.warning("cannot send %s to %s: %s", type(message).__name__, address, exc)

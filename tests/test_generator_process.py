@@ -1,0 +1,174 @@
+"""Real encoder and generator processes on the tiny model; this test plays
+the proxy: it sends encode jobs and generate requests at the same time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import zmq
+
+from conftest import REPO, image_bytes, random_image
+from pipeline import protocol, transport
+from pipeline.arena.shm import remove_stale_segments
+from pipeline.generate import GenerationLimits, greedy_generate
+from pipeline.hashing import content_hash, media_salt
+from pipeline.models.loader import load_model
+from pipeline.processing.image import open_image, preprocess_images
+from pipeline.processing.processor import Processor
+
+MAX_TOKENS = 10
+
+
+def start(args, log):
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture
+def stages(tiny_dir, tmp_path):
+    run = tmp_path
+    addr = {name: f"ipc://{run}/{name}.sock" for name in ("enc", "gen", "agg", "me")}
+    instance = f"test-genenc-{os.getpid()}"
+    log = open(run / "stages.log", "w")
+    procs = [
+        start(["stages.encoder", "--address", addr["enc"], "--model", str(tiny_dir), "--device", "cpu",
+               "--instance", instance, "--media-backend", "pillow", "--arena-mib", "8", "--model-id", "tiny"], log),
+        start(["stages.generator", "--address", addr["gen"], "--model", str(tiny_dir), "--device", "cpu",
+               "--encoders", addr["enc"], "--kv-cache-mib", "4", "--embedding-timeout", "3"], log),
+        start(["stages.generator", "--address", addr["agg"], "--model", str(tiny_dir), "--device", "cpu",
+               "--mode", "aggregated", "--media-backend", "pillow", "--kv-cache-mib", "4"], log),
+    ]
+    yield addr, procs, run / "stages.log"
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    remove_stale_segments(instance)
+    log.close()
+
+
+class Proxy:
+    def __init__(self, addr, tiny_dir):
+        self.ctx = zmq.Context()
+        self.addr = addr
+        self.inbox = transport.make_socket(self.ctx, zmq.PULL, addr["me"], bind=True)
+        self.out = transport.Outbox(self.ctx)
+        loaded = load_model(tiny_dir)
+        self.model = loaded.model
+        self.processor = Processor.from_checkpoint(tiny_dir, loaded.config.image_token_id)
+        self.salt = media_salt("tiny", self.processor.image_config.settings_key())
+
+    def recv(self, timeout=60):
+        if not self.inbox.poll(timeout * 1000):
+            raise TimeoutError("no message")
+        return protocol.decode(self.inbox.recv())
+
+    def request(self, rid, text, images, generator="gen", send_jobs=True, max_tokens=MAX_TOKENS):
+        decoded = [open_image(b, self.processor.image_config) for b in images]
+        messages = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]}]
+        prompt = self.processor.chat_prompt(messages, [(im.height, im.width) for im in decoded])
+        keys = [content_hash(b, self.salt) for b in images]
+        if generator == "gen" and send_jobs:
+            for i, (b, (_, length)) in enumerate(zip(images, prompt.image_spans)):
+                self.out.send(self.addr["enc"], protocol.EncodeJob(f"{rid}-{i}", rid, keys[i], b, self.addr["gen"],
+                                                                   length, self.addr["me"]))
+        sampling = protocol.Sampling(max_tokens=max_tokens, ignore_eos=True)
+        self.out.send(self.addr[generator], protocol.GenerateRequest(
+            rid, tuple(prompt.token_ids), tuple(prompt.image_spans), tuple(keys), tuple(prompt.grids), sampling,
+            self.addr["me"], tuple(images) if generator == "agg" else ()))
+        return prompt, decoded
+
+    def expected(self, prompt, decoded):
+        pixels = preprocess_images(decoded, self.processor.image_config)[0] if decoded else None
+        return greedy_generate(self.model, prompt, pixels, GenerationLimits(MAX_TOKENS, frozenset(), True))
+
+    def collect(self, rids):
+        tokens = {r: [] for r in rids}
+        done = {}
+        while len(done) < len(rids):
+            msg = self.recv()
+            if isinstance(msg, protocol.TokenDelta) and msg.request_id in tokens:
+                tokens[msg.request_id] += msg.token_ids
+                if msg.finished:
+                    done[msg.request_id] = msg
+        return tokens, done
+
+    def stats(self, target):
+        self.out.send(self.addr[target], protocol.StatsRequest(self.addr["me"]))
+        while True:
+            msg = self.recv()
+            if isinstance(msg, protocol.StageStats):
+                return msg
+
+    def close(self):
+        self.inbox.close()
+        self.out.close()
+        self.ctx.term()
+
+
+def wait_ready(proxy, targets, timeout=120):
+    deadline = time.monotonic() + timeout
+    for target in targets:
+        while True:
+            try:
+                proxy.out.send(proxy.addr[target], protocol.StatsRequest(proxy.addr["me"]))
+                msg = proxy.recv(timeout=1)
+                if isinstance(msg, protocol.StageStats):
+                    break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+
+
+def test_epd_and_aggregated_generators_match_offline_generation(stages, tiny_dir):
+    addr, procs, log_path = stages
+    proxy = Proxy(addr, tiny_dir)
+    try:
+        wait_ready(proxy, ["enc", "gen", "agg"])
+        images = [image_bytes(random_image(90 + 30 * i, 140 - 20 * i, seed=i), "PNG") for i in range(3)]
+        cases = {"t0": [], "t1": images[:1], "t2": images[1:3], "t3": images[:2]}
+        expected = {}
+        for rid, imgs in cases.items():
+            for generator in ("gen", "agg"):
+                prompt, decoded = proxy.request(f"{generator}-{rid}", f"Tell me about {rid}.", imgs, generator)
+            expected[rid] = proxy.expected(prompt, decoded)
+        tokens, done = proxy.collect([f"{g}-{r}" for r in cases for g in ("gen", "agg")])
+        for rid in cases:
+            assert tokens[f"gen-{rid}"] == expected[rid], rid
+            assert tokens[f"agg-{rid}"] == expected[rid], rid
+            assert done[f"gen-{rid}"].finish_reason == "length"
+
+        # An image that never arrives: a clear error once the deadline passes.
+        proxy.request("lost", "Where is it?", [image_bytes(random_image(64, 64, seed=9))], "gen", send_jobs=False)
+        _, done = proxy.collect(["lost"])
+        assert done["lost"].finish_reason == "error"
+        assert "did not arrive within 3 s" in done["lost"].error
+
+        # Abort mid-way: everything is given back.
+        proxy.request("long", "Go on.", images[:1], "gen", max_tokens=5000)
+        first = proxy.recv()
+        assert isinstance(first, protocol.TokenDelta)
+        proxy.out.send(addr["gen"], protocol.AbortRequest(("long",)))
+        time.sleep(1.0)
+        gen = proxy.stats("gen")
+        assert gen.gauges["kv_blocks_used"] == 0 and gen.gauges["running"] == 0
+        assert gen.gauges["encoder_cache_tokens"] == 0
+        assert gen.counters["yields"] >= 0
+        enc = proxy.stats("enc")
+        assert enc.gauges["arena_leases"] == 0
+        agg = proxy.stats("agg")
+        assert agg.gauges["kv_blocks_used"] == 0
+    except Exception:
+        print(log_path.read_text()[-4000:])
+        raise
+    finally:
+        proxy.close()
