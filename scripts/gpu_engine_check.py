@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""The engine on a GPU (run on the GPU box, not in CI):
+
+1. correctness: the tiny checkpoint in float32 on CUDA, several requests with
+   images batched through the engine, equal to offline greedy generation of
+   each alone on the same device;
+2. speed: decode step time at batch 1 and 32 for a Qwen2.5-VL-3B-shaped
+   language model with random weights (made on the GPU), with the reference
+   attention backend, beside the weight-read floor (weight bytes / measured
+   device copy bandwidth), all in this one run.
+
+    python scripts/gpu_engine_check.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
+from pipeline.engine.request import SamplingParams  # noqa: E402
+from pipeline.generate import GenerationLimits, greedy_generate  # noqa: E402
+from pipeline.models.loader import load_model  # noqa: E402
+from pipeline.models.shapes import random_model  # noqa: E402
+from pipeline.models.tiny import default_model_dir  # noqa: E402
+from pipeline.processing.image import preprocess_images  # noqa: E402
+from pipeline.processing.processor import Processor  # noqa: E402
+from pipeline.processing.tokenizer import Tokenizer  # noqa: E402
+
+
+def correctness(device: torch.device) -> dict:
+    model_dir = default_model_dir()
+    loaded = load_model(model_dir, dtype="float32", device=str(device))
+    processor = Processor.from_checkpoint(model_dir, loaded.config.image_token_id)
+    rng = np.random.default_rng(0)
+    requests = {}
+    for i in range(6):
+        images = [Image.fromarray(rng.integers(0, 256, (64 + 32 * j, 96, 3), dtype=np.uint8)) for j in range(i % 3)]
+        msgs = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": f"case {i} " * (i + 1)}]}]
+        prompt = processor.chat_prompt(msgs, [(im.height, im.width) for im in images])
+        pixels = [preprocess_images([im], processor.image_config) for im in images]
+        requests[f"r{i}"] = (prompt, [(p, tuple(g[0].tolist())) for p, g in pixels])
+    expected = {}
+    for rid, (prompt, inputs) in requests.items():
+        pix = torch.cat([p for p, _ in inputs]) if inputs else None
+        expected[rid] = greedy_generate(loaded.model, prompt, pix, GenerationLimits(16, frozenset(), True))
+    engine = Engine(loaded.model, processor.tokenizer, EngineConfig(max_num_batched_tokens=128), device)
+    got = {rid: [] for rid in requests}
+    for rid, (prompt, inputs) in requests.items():
+        keys = [f"{rid}-{j}" for j in range(len(inputs))]
+        engine.add_request(rid, prompt, keys, SamplingParams(max_tokens=16, ignore_eos=True))
+        for key, (p, g) in zip(keys, inputs):
+            engine.add_embedding(key, loaded.model.encode_images(p.to(device), [g])[0])
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    mismatches = [rid for rid in requests if got[rid] != expected[rid]]
+    return {"requests": len(requests), "mismatches": mismatches}
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 10 * a.numel() / (start.elapsed_time(end) / 1000)  # read + write bytes per second
+
+
+def decode_speed(device: torch.device, batches: list[int], context: int = 512, steps: int = 20) -> dict:
+    loaded = random_model("qwen2.5-vl-3b", torch.bfloat16, device)
+    model = loaded.model
+    lm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("visual."))
+    bandwidth = copy_bandwidth(device)
+    floor_ms = lm_bytes / (bandwidth / 2) * 1000   # weights are read once per step: bytes / read bandwidth
+    out = {"lm_weight_gb": lm_bytes / 1e9, "copy_bandwidth_tb_s": bandwidth / 1e12, "floor_ms": floor_ms}
+    tokenizer = Tokenizer.from_checkpoint(default_model_dir())  # only for the engine's text state
+    for batch in batches:
+        engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
+                                                       max_num_seqs=batch, kv_cache_bytes=8 << 30), device)
+        from pipeline.processing.processor import MultimodalPrompt
+        for i in range(batch):
+            ids = list(np.random.default_rng(i).integers(0, 150000, context))
+            engine.add_request(f"b{i}", MultimodalPrompt([int(x) for x in ids], [], []), [],
+                               SamplingParams(max_tokens=steps + 10, ignore_eos=True))
+        engine.step()  # prefill
+        engine.step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1000)
+        out[f"batch{batch}_step_ms"] = float(np.median(times))
+        out[f"batch{batch}_vs_floor"] = float(np.median(times)) / floor_ms
+        del engine
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", type=Path)
+    p.add_argument("--batches", default="1,32")
+    args = p.parse_args()
+    device = torch.device("cuda:0")
+    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "correctness": correctness(device)}
+    print("correctness:", report["correctness"], flush=True)
+    report["decode_reference_backend"] = decode_speed(device, [int(b) for b in args.batches.split(",")])
+    print("decode (reference backend):", json.dumps(report["decode_reference_backend"], indent=1), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 1 if report["correctness"]["mismatches"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
