@@ -81,8 +81,8 @@ def run_engine(engine, model, requests, arrivals, embed_delay, max_tokens=12, ab
     return outputs, finished
 
 
-@pytest.mark.parametrize("aggregated", [False, True])
-def test_batched_requests_equal_each_run_alone(tiny, aggregated):
+@pytest.mark.parametrize("aggregated,fast_decode", [(False, False), (True, False), (False, True)])
+def test_batched_requests_equal_each_run_alone(tiny, aggregated, fast_decode):
     model, processor = tiny
     requests = {f"r{i}": make_request(processor, i, i % 4) for i in range(8)}
     expected = {rid: offline(model, p, inp, 12) for rid, (p, _, inp) in requests.items()}
@@ -90,7 +90,7 @@ def test_batched_requests_equal_each_run_alone(tiny, aggregated):
     # Embeddings arrive late and out of order.
     delay = {key: (7 * hash(key)) % 9 for _, keys, _ in requests.values() for key in keys}
     config = EngineConfig(max_num_batched_tokens=96, max_num_seqs=8, block_size=8, kv_cache_bytes=4 << 20,
-                          aggregated=aggregated, local_encode_tokens=512)
+                          aggregated=aggregated, local_encode_tokens=512, fast_decode=fast_decode)
     engine = Engine(model, processor.tokenizer, config, torch.device("cpu"))
     outputs, finished = run_engine(engine, model, requests, arrivals, delay)
     assert outputs == expected
@@ -101,7 +101,8 @@ def test_batched_requests_equal_each_run_alone(tiny, aggregated):
         assert engine.scheduler.stats["yields_total"] > 0  # images really were late
 
 
-def test_stress_random_requests_delays_and_aborts(tiny):
+@pytest.mark.parametrize("fast_decode", [False, True])
+def test_stress_random_requests_delays_and_aborts(tiny, fast_decode):
     """200 random requests, random embedding delays, random aborts: each one
     completes or aborts cleanly and nothing is left allocated."""
     model, processor = tiny
@@ -118,7 +119,7 @@ def test_stress_random_requests_delays_and_aborts(tiny):
             aborts.setdefault(arrival + rng.randrange(20), []).append(rid)
     # Tight KV and encoder-cache budgets force preemption and pending embeddings.
     config = EngineConfig(max_num_batched_tokens=128, max_num_seqs=16, block_size=8, kv_cache_bytes=256 << 10,
-                          encoder_cache_tokens=400, orphan_embedding_ttl=0.0)
+                          encoder_cache_tokens=400, orphan_embedding_ttl=0.0, fast_decode=fast_decode)
     engine = Engine(model, processor.tokenizer, config, torch.device("cpu"))
     max_tokens = 6
     outputs, finished = run_engine(engine, model, requests, arrivals, delay, max_tokens, aborts)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.engine.decode_graphs import DecodeGraphs
 from pipeline.engine.kv_blocks import num_blocks_for_memory
 from pipeline.engine.output import RequestOutput, TextState
 from pipeline.engine.paged_attention import PagedKVCache
@@ -37,6 +38,9 @@ class EngineConfig:
     # An embedding may arrive before its request (encoders can beat the
     # proxy's request path); one that no request needs is dropped after this.
     orphan_embedding_ttl: float = 30.0
+    # Pure-decode steps through static buffers and one batched attention per
+    # layer, captured as CUDA graphs on a GPU. None: on for CUDA, off for CPU.
+    fast_decode: bool | None = None
 
 
 @dataclass
@@ -64,9 +68,15 @@ class Engine:
             config.max_num_batched_tokens, config.max_num_seqs, config.block_size, num_blocks,
             config.encoder_cache_tokens, config.aggregated,
             config.local_encode_tokens if config.aggregated else 0))
-        kv = PagedKVCache(text.num_hidden_layers, num_blocks, config.block_size, text.num_key_value_heads,
+        # One block more than the scheduler hands out: the null block that
+        # padding rows of a fast decode step read and write.
+        kv = PagedKVCache(text.num_hidden_layers, num_blocks + 1, config.block_size, text.num_key_value_heads,
                           text.head_dim, dtype, device)
-        self.runner = ModelRunner(model, kv, device)
+        decode = None
+        if config.fast_decode or (config.fast_decode is None and device.type == "cuda"):
+            max_len = min(text.max_position_embeddings, num_blocks * config.block_size)
+            decode = DecodeGraphs(model, kv, num_blocks, config.max_num_seqs, max_len, device, use_graphs=True)
+        self.runner = ModelRunner(model, kv, device, decode)
         self.live: dict[str, _Live] = {}
         self.pending_embeddings: dict[str, tuple[torch.Tensor, float]] = {}
         self.refetch: list[str] = []

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.engine.decode_graphs import DecodeGraphs
 from pipeline.engine.paged_attention import PagedKVCache, ReferencePagedAttention, SequenceSlice, StepLayout
 from pipeline.engine.plan import Chunk, StepPlan
 from pipeline.engine.request import Request
@@ -23,10 +24,12 @@ class PromptGeometry:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
+                 decode: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.decode = decode
 
     @torch.inference_mode()
     def encode_images(self, inputs: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
@@ -39,6 +42,9 @@ class ModelRunner:
                 embeddings) -> tuple[list[Chunk], torch.Tensor]:
         """Run the plan's chunks; returns the chunks due a sample and their
         logits rows [n, vocab]. `embeddings(key)` gives a cached image embedding."""
+        if self.decode is not None and all(c.num_tokens == 1 and c.start >= requests[c.request_id].num_prompt_tokens
+                                           for c in plan.chunks):
+            return plan.chunks, self._decode(plan, requests, geometry)
         ids, positions, slices, splices = [], [], [], []
         offset = 0
         for chunk in plan.chunks:
@@ -60,6 +66,15 @@ class ModelRunner:
         rows = [s.offset + s.query_len - 1 for s, c in zip(slices, plan.chunks) if c.sample]
         logits = self.model.logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
         return due, logits
+
+    def _decode(self, plan: StepPlan, requests: dict[str, Request],
+                geometry: dict[str, PromptGeometry]) -> torch.Tensor:
+        chunks = plan.chunks
+        reqs = [requests[c.request_id] for c in chunks]
+        positions = torch.cat([self.model.decode_positions(c.start, 1, geometry[c.request_id].delta)
+                               for c in chunks], dim=1)
+        return self.decode.run([r.all_token_ids[c.start] for r, c in zip(reqs, chunks)], positions,
+                               [r.block_ids for r in reqs], [c.start for c in chunks])
 
     def _positions(self, geometry: PromptGeometry, chunk: Chunk, prompt_len: int) -> torch.Tensor:
         """[3, chunk.num_tokens]: the prompt's own positions where the chunk

@@ -1,0 +1,131 @@
+"""Fast pure-decode steps: static-shaped inputs, one batched attention call
+per layer, and (on CUDA) the whole forward captured once per shape bucket as
+a CUDA graph and replayed.
+
+A decode step has one query per request. Its keys are gathered from the
+paged cache through the block tables into a padded [batch, L] layout and
+masked by length, so every shape depends only on the (batch, L) bucket, not
+on the requests: the forward is capturable. Padding rows read and write a
+null block that no request owns (the cache has one block more than the
+scheduler hands out).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.engine.paged_attention import PagedKVCache
+from pipeline.models.attention import AttentionBackend
+
+
+def _bucket(n: int, minimum: int) -> int:
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+class GatherDecodeAttention(AttentionBackend):
+    """One query per row; keys gathered by block table, masked by length."""
+
+    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 lengths: torch.Tensor, max_len: int) -> None:
+        bs = cache.block_size
+        positions = torch.arange(max_len, device=block_tables.device)
+        blocks = block_tables.gather(1, (positions // bs).expand(block_tables.shape[0], -1))
+        self.gather = (blocks * bs + positions % bs).reshape(-1)   # [batch * max_len]
+        self.mask = (positions[None, :] < lengths[:, None])[:, None, None, :]
+        self.cache = cache
+        self.slot_mapping = slot_mapping
+        self.shape = (block_tables.shape[0], max_len)
+
+    def attend(self, layer, q, k, v):
+        k_slots, v_slots = self.cache.layer_slots(layer)
+        k_slots.index_copy_(0, self.slot_mapping, k)
+        v_slots.index_copy_(0, self.slot_mapping, v)
+        batch, length = self.shape
+        keys = k_slots.index_select(0, self.gather).view(batch, length, *k.shape[1:]).transpose(1, 2)
+        values = v_slots.index_select(0, self.gather).view(batch, length, *v.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=self.mask,
+                                             scale=q.shape[-1] ** -0.5, enable_gqa=keys.shape[1] != q.shape[1])
+        return out[:, :, 0, :]
+
+
+class DecodeGraphs:
+    """Runs pure-decode batches through static buffers; on CUDA each
+    (batch, length) bucket is captured on first use and replayed after."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, null_block: int, max_batch: int,
+                 max_len: int, device: torch.device, use_graphs: bool, min_len: int = 256) -> None:
+        self.model = model
+        self.cache = cache
+        self.null_block = null_block
+        self.device = device
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self.min_len = min_len
+        self.max_batch = _bucket(max_batch, 1)
+        self.max_len = _bucket(max_len, min_len)
+        max_blocks = -(-self.max_len // cache.block_size)
+        long = dict(dtype=torch.long, device=device)
+        self.token_ids = torch.zeros(self.max_batch, **long)
+        self.positions = torch.zeros(3, self.max_batch, **long)
+        self.slot_mapping = torch.zeros(self.max_batch, **long)
+        self.block_tables = torch.full((self.max_batch, max_blocks), null_block, **long)
+        self.lengths = torch.ones(self.max_batch, **long)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    def run(self, token_ids: list[int], positions: torch.Tensor, block_tables: list[list[int]],
+            context_lens: list[int]) -> torch.Tensor:
+        """Logits [batch, vocab] of one decode token per request; the token
+        of row i sits at index context_lens[i] of its sequence."""
+        batch = len(token_ids)
+        if batch > self.max_batch or max(context_lens) + 1 > self.max_len:
+            raise ValueError("decode batch exceeds the captured limits")
+        bb, lb = _bucket(batch, 1), _bucket(max(context_lens) + 1, self.min_len)
+        self._fill(token_ids, positions, block_tables, context_lens, bb)
+        if not self.use_graphs:
+            return self._forward(bb, lb)[:batch]
+        if (bb, lb) not in self.graphs:
+            self.graphs[(bb, lb)] = self._capture(bb, lb)
+        graph, logits = self.graphs[(bb, lb)]
+        graph.replay()
+        return logits[:batch]
+
+    def _fill(self, token_ids, positions, block_tables, context_lens, bb: int) -> None:
+        batch = len(token_ids)
+        bs = self.cache.block_size
+        width = self.block_tables.shape[1]
+        tables = torch.full((bb, width), self.null_block, dtype=torch.long)
+        slots = torch.full((bb,), self.null_block * bs, dtype=torch.long)
+        for i, (table, n) in enumerate(zip(block_tables, context_lens)):
+            tables[i, :len(table)] = torch.tensor(table)
+            slots[i] = table[n // bs] * bs + n % bs
+        lengths = torch.ones(bb, dtype=torch.long)
+        lengths[:batch] = torch.tensor(context_lens) + 1
+        ids = torch.zeros(bb, dtype=torch.long)
+        ids[:batch] = torch.tensor(token_ids)
+        pos = torch.zeros(3, bb, dtype=torch.long)
+        pos[:, :batch] = positions
+        for dst, src in ((self.token_ids[:bb], ids), (self.positions[:, :bb], pos),
+                         (self.slot_mapping[:bb], slots), (self.block_tables[:bb], tables),
+                         (self.lengths[:bb], lengths)):
+            dst.copy_(src, non_blocking=True)
+
+    def _forward(self, bb: int, lb: int) -> torch.Tensor:
+        attn = GatherDecodeAttention(self.cache, self.slot_mapping[:bb], self.block_tables[:bb],
+                                     self.lengths[:bb], lb)
+        hidden = self.model(self.model.embed(self.token_ids[:bb]), self.positions[:, :bb], attn)
+        return self.model.logits(hidden)
+
+    def _capture(self, bb: int, lb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(bb, lb)  # warm-up outside the graph (lazy inits, autotuning)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(bb, lb)
+        return graph, logits
