@@ -37,7 +37,32 @@ from pipeline.processing.processor import Processor  # noqa: E402
 from pipeline.processing.tokenizer import Tokenizer  # noqa: E402
 
 
-def correctness(device: torch.device) -> dict:
+def attention_equality(device: torch.device) -> dict:
+    """The fast decode attention against the reference backend, bf16, 3B-like heads."""
+    from pipeline.engine.decode_graphs import GatherDecodeAttention
+    from pipeline.engine.paged_attention import PagedKVCache, ReferencePagedAttention, SequenceSlice, StepLayout
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    cache = PagedKVCache(1, 600, 16, 2, 128, torch.bfloat16, device)
+    cache.keys.normal_(generator=gen)
+    cache.values.normal_(generator=gen)
+    lens = [5, 300, 1023, 77]
+    tables = [list(range(1 + 70 * i, 1 + 70 * i + (n + 16) // 16)) for i, n in enumerate(lens)]
+    q = torch.randn(len(lens), 16, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(len(lens), 2, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(len(lens), 2, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    layout = StepLayout.build([SequenceSlice(i, 1, n, tuple(t)) for i, (n, t) in enumerate(zip(lens, tables))],
+                              16, device)
+    ref = ReferencePagedAttention(cache, layout).attend(0, q, k, v)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+    slots = torch.tensor([t[n // 16] * 16 + n % 16 for t, n in zip(tables, lens)], device=device)
+    fast = GatherDecodeAttention(cache, slots, bt, torch.tensor(lens, device=device) + 1, 1024).attend(0, q, k, v)
+    diff = (fast.float() - ref.float()).abs().max().item()
+    return {"max_abs_diff": diff, "ref_max_abs": ref.float().abs().max().item(), "ok": diff <= 2e-2}
+
+
+def correctness(device: torch.device, fast_decode: bool) -> dict:
     model_dir = default_model_dir()
     loaded = load_model(model_dir, dtype="float32", device=str(device))
     processor = Processor.from_checkpoint(model_dir, loaded.config.image_token_id)
@@ -53,7 +78,8 @@ def correctness(device: torch.device) -> dict:
     for rid, (prompt, inputs) in requests.items():
         pix = torch.cat([p for p, _ in inputs]) if inputs else None
         expected[rid] = greedy_generate(loaded.model, prompt, pix, GenerationLimits(16, frozenset(), True))
-    engine = Engine(loaded.model, processor.tokenizer, EngineConfig(max_num_batched_tokens=128), device)
+    engine = Engine(loaded.model, processor.tokenizer,
+                    EngineConfig(max_num_batched_tokens=128, fast_decode=fast_decode), device)
     got = {rid: [] for rid in requests}
     for rid, (prompt, inputs) in requests.items():
         keys = [f"{rid}-{j}" for j in range(len(inputs))]
@@ -82,7 +108,8 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 10 * a.numel() / (start.elapsed_time(end) / 1000)  # read + write bytes per second
 
 
-def decode_speed(device: torch.device, batches: list[int], context: int = 512, steps: int = 20) -> dict:
+def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, context: int = 512,
+                 steps: int = 20) -> dict:
     loaded = random_model("qwen2.5-vl-3b", torch.bfloat16, device)
     model = loaded.model
     lm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("visual."))
@@ -92,7 +119,8 @@ def decode_speed(device: torch.device, batches: list[int], context: int = 512, s
     tokenizer = Tokenizer.from_checkpoint(default_model_dir())  # only for the engine's text state
     for batch in batches:
         engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
-                                                       max_num_seqs=batch, kv_cache_bytes=8 << 30), device)
+                                                       max_num_seqs=batch, kv_cache_bytes=8 << 30,
+                                                       fast_decode=fast_decode), device)
         from pipeline.processing.processor import MultimodalPrompt
         for i in range(batch):
             ids = list(np.random.default_rng(i).integers(0, 150000, context))
@@ -100,6 +128,7 @@ def decode_speed(device: torch.device, batches: list[int], context: int = 512, s
                                SamplingParams(max_tokens=steps + 10, ignore_eos=True))
         engine.step()  # prefill
         engine.step()
+        engine.step()  # a second decode: graphs captured by now
         torch.cuda.synchronize()
         times = []
         for _ in range(steps):
@@ -121,13 +150,19 @@ def main() -> int:
     args = p.parse_args()
     device = torch.device("cuda:0")
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "correctness": correctness(device)}
+              "attention_equality": attention_equality(device),
+              "correctness": {mode: correctness(device, fast) for mode, fast in
+                              (("reference", False), ("fast_decode", True))}}
+    print("attention:", report["attention_equality"], flush=True)
     print("correctness:", report["correctness"], flush=True)
-    report["decode_reference_backend"] = decode_speed(device, [int(b) for b in args.batches.split(",")])
-    print("decode (reference backend):", json.dumps(report["decode_reference_backend"], indent=1), flush=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    for mode, fast in (("reference", False), ("fast_decode", True)):
+        report[f"decode_{mode}"] = decode_speed(device, batches, fast)
+        print(f"decode ({mode}):", json.dumps(report[f"decode_{mode}"]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-    return 1 if report["correctness"]["mismatches"] else 0
+    bad = any(c["mismatches"] for c in report["correctness"].values()) or not report["attention_equality"]["ok"]
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
