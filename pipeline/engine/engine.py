@@ -74,6 +74,7 @@ class Engine:
                           text.head_dim, dtype, device)
         decode = None
         if config.fast_decode or (config.fast_decode is None and device.type == "cuda"):
+            model.fuse()
             max_len = min(text.max_position_embeddings, num_blocks * config.block_size)
             decode = DecodeGraphs(model, kv, num_blocks, config.max_num_seqs, max_len, device, use_graphs=True)
         self.runner = ModelRunner(model, kv, device, decode)

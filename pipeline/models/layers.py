@@ -18,6 +18,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if x.is_cuda:
+            # One fused kernel instead of five; same formula. Off the GPU the
+            # reference's own ops are kept, so float32 rounding matches it.
+            return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(dtype)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
@@ -31,9 +35,24 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """One matmul for gate and up; the two weights become views of it."""
+        weight = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        hidden = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight.data, self.up_proj.weight.data = weight[:hidden], weight[hidden:]
+        bias = None
+        if self.gate_proj.bias is not None:
+            bias = torch.cat([self.gate_proj.bias.data, self.up_proj.bias.data])
+            self.gate_proj.bias.data, self.up_proj.bias.data = bias[:hidden], bias[hidden:]
+        self.gate_up = (weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,10 @@ class Qwen25VL(nn.Module):
         if not cfg.text.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
 
+    def fuse(self) -> None:
+        """Merge same-input projections of the language model (see TextModel.fuse)."""
+        self.model.fuse()
+
     def reset_buffers(self) -> None:
         self.visual.reset_buffers()
         self.model.rotary.reset_buffers()

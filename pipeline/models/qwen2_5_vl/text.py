@@ -9,6 +9,7 @@ the reference checkpoints (`model.*`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.attention import AttentionBackend
@@ -56,13 +57,37 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=True)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qkv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def fuse(self) -> None:
+        """One matmul for q, k and v: the three weights move into one tensor
+        and the projections become views of it (no extra memory)."""
+        self.qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, attn: AttentionBackend):
         n = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        if self.qkv is None:
+            q = apply_rotary(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
+            k = apply_rotary(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+            v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        else:
+            qkv = F.linear(x, *self.qkv).view(n, self.heads + 2 * self.kv_heads, self.head_dim)
+            qk = apply_rotary(qkv[:, :self.heads + self.kv_heads], cos, sin)  # q and k in one pass
+            q, k, v = qk[:, :self.heads], qk[:, self.heads:], qkv[:, self.heads + self.kv_heads:]
         return self.o_proj(attn.attend(self.layer, q, k, v).reshape(n, -1))
+
+
+def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([l.weight.data for l in linears])
+    bias = torch.cat([l.bias.data for l in linears]) if linears[0].bias is not None else None
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight.data = weight[start:start + rows]
+        if bias is not None:
+            linear.bias.data = bias[start:start + rows]
+        start += rows
+    return weight, bias
 
 
 class DecoderLayer(nn.Module):
@@ -72,6 +97,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False)
+
+    def fuse(self) -> None:
+        self.self_attn.fuse()
+        self.mlp.fuse()
 
     def forward(self, x, cos, sin, attn):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
@@ -86,6 +115,12 @@ class TextModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = MultimodalRotary(cfg)
+
+    def fuse(self) -> None:
+        """Merge projections that read the same input into single matmuls
+        (fewer, larger kernels: what decode speed on a GPU needs)."""
+        for layer in self.layers:
+            layer.fuse()
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
