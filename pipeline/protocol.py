@@ -196,6 +196,7 @@ class StageStats(_Msg, tag="stats"):
     instance: str
     counters: dict[str, int]
     gauges: dict[str, float]
+    address: str = ""   # the stage's inbox
 
 
 Message = (EncodeJob | EmbeddingReady | EncodeFailed | ReleaseLease | Heartbeat | Hello

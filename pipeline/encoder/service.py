@@ -94,7 +94,7 @@ class EncoderService:
                   "arena_entries": float(len(index.entries)), "arena_capacity": float(self.store.info.capacity),
                   "in_flight": float(len(self.flight))}
         counters = dict(self.counters, forwards=self.forwards, evictions=index.evictions)
-        return protocol.StageStats("encoder", self.settings.encoder_id, counters, gauges)
+        return protocol.StageStats("encoder", self.settings.encoder_id, counters, gauges, self.settings.address)
 
     def handle_hello(self, reply_to: str) -> None:
         self._send(reply_to, self.announcement())

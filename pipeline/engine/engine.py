@@ -81,6 +81,7 @@ class Engine:
         self.live: dict[str, _Live] = {}
         self.pending_embeddings: dict[str, tuple[torch.Tensor, float]] = {}
         self.refetch: list[str] = []
+        self.last_step_idle = False   # the last step ran nothing (every request waits on images)
         self._arrivals = 0
 
     # ---------------------------------------------------------------- inputs
@@ -122,6 +123,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         self._admit_pending()
         plan = self.scheduler.schedule()
+        self.last_step_idle = not plan.chunks and not plan.encode_keys
         self.refetch += plan.refetch_keys
         if plan.encode_keys:
             self._encode_locally(plan.encode_keys)

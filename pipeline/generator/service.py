@@ -63,7 +63,9 @@ class GeneratorService:
         for address in self.encoders:
             self._send(address, protocol.Hello(self.address, self.address))
         while not stop.is_set():
-            idle = not self.engine.has_work()
+            # Nothing runnable (no requests, or all wait on images): sleep on
+            # the inbox instead of spinning the step loop.
+            idle = not self.engine.has_work() or self.engine.last_step_idle
             self._drain(inbound, block=idle)
             self._expire_overdue()
             self._heartbeat()
@@ -215,7 +217,7 @@ class GeneratorService:
                   "pending_embeddings": float(len(self.engine.pending_embeddings))}
         counters = dict(self.counters, yields=scheduler.stats["yields_total"],
                         preemptions=scheduler.stats["preemptions_total"])
-        return protocol.StageStats("generator", self.address, counters, gauges)
+        return protocol.StageStats("generator", self.address, counters, gauges, self.address)
 
     # -------------------------------------------------------------- sending
 

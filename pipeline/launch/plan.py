@@ -1,0 +1,233 @@
+"""Launcher options -> one `StageSpec` per process.
+
+Pure: nothing is started and no device is touched; what the plan needs to know
+about the host (GPU count, the built-in model's folder) comes in as
+`HostFacts`, gathered once by `host_facts`. Stages are placed one per GPU,
+encoders first, then generators, round-robin when there are fewer GPUs than
+stages. GPUs are never hidden with CUDA_VISIBLE_DEVICES: every stage sees
+every device (CUDA IPC between stages needs the same numbering everywhere)
+and is told its own with `--device cuda:N`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.transport import ipc_address
+
+ROLES = ("encoder", "generator", "proxy")
+MODES = ("epd", "aggregated")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Flags the plan sets itself. Passing one through --stage-arg would silently
+# win over the plan (argparse keeps the last value), e.g. two stages on one GPU.
+MANAGED_FLAGS = {
+    "encoder": frozenset({"--address", "--instance", "--model", "--model-id", "--device", "--dtype"}),
+    "generator": frozenset({"--address", "--instance", "--model", "--device", "--dtype", "--mode",
+                            "--encoders"}),
+    "proxy": frozenset({"--host", "--port", "--address", "--model", "--model-id", "--encoders",
+                        "--generators", "--mode"}),
+}
+
+# torch numbers GPUs fastest-first by default, nvidia-smi by PCI bus; --gpus
+# takes the numbers an operator reads in nvidia-smi, and every stage must agree.
+CUDA_ENV = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+class LaunchError(ValueError):
+    """A bad launcher option; the message is one line naming the option."""
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What bin/epd-launch was asked for. Validated on construction."""
+
+    encoders: int
+    generators: int
+    run_dir: Path  # private 0700 folder for the stages' ipc:// sockets
+    model: Path | None = None  # None: the built-in tiny model
+    model_id: str | None = None  # None: the model folder's name
+    host: str = "127.0.0.1"
+    port: int = 8000
+    mode: str = "epd"
+    dtype: str | None = None  # None: each stage's default for its device
+    device: str = "auto"
+    gpus: tuple[int, ...] | None = None  # None: every visible GPU
+    stage_args: tuple[tuple[str, str], ...] = ()  # (role, extra flag) in order
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        _check_choice("--mode", self.mode, MODES)
+        _check_choice("--device", self.device, DEVICES)
+        if self.dtype is not None:
+            _check_choice("--dtype", self.dtype, DTYPES)
+        if self.generators < 1:
+            raise LaunchError(f"--generators must be at least 1 (got {self.generators})")
+        if self.mode == "epd" and self.encoders < 1:
+            raise LaunchError(f"--encoders must be at least 1 in epd mode (got {self.encoders}); "
+                              "use --mode aggregated to serve without encoders")
+        if self.mode == "aggregated" and self.encoders != 0:
+            raise LaunchError(f"--encoders must be 0 with --mode aggregated (got {self.encoders}): "
+                              "generators encode images themselves")
+        if not 1 <= self.port <= 65535:
+            raise LaunchError(f"--port must be in 1..65535 (got {self.port})")
+        if self.model_id is not None and not self.model_id.strip():
+            raise LaunchError("--model-id must not be empty")
+        self._check_gpus()
+        for role, arg in self.stage_args:
+            _check_stage_arg(role, arg)
+
+    def _check_gpus(self) -> None:
+        if self.gpus is None:
+            return
+        if self.device == "cpu":
+            raise LaunchError("--gpus cannot be combined with --device cpu")
+        if not self.gpus:
+            raise LaunchError("--gpus must name at least one GPU")
+        if any(g < 0 for g in self.gpus) or len(set(self.gpus)) != len(self.gpus):
+            raise LaunchError(f"--gpus must be distinct GPU numbers >= 0 (got {list(self.gpus)})")
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    gpu_count: int
+    builtin_model: Path | None = None  # needed only when LaunchOptions.model is None
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One process: `argv` is `program` + `args`; `env` overrides the
+    launcher's environment."""
+
+    role: str
+    instance: str
+    address: str  # the stage's inbox (the proxy's too)
+    device: str  # "cpu" or "cuda:N"
+    program: tuple[str, ...]
+    args: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def argv(self) -> list[str]:
+        return [*self.program, *self.args]
+
+
+def plan_stages(options: LaunchOptions, facts: HostFacts) -> list[StageSpec]:
+    """Encoders, then generators, then the proxy."""
+    model = options.model or facts.builtin_model
+    if model is None:
+        raise LaunchError("no model folder: pass --model DIR")
+    model_id = options.model_id or model.name
+    devices = stage_devices(options, facts, options.encoders + options.generators)
+    env = dict(CUDA_ENV) if any(d.startswith("cuda") for d in devices) else {}
+    extra = {role: tuple(arg for r, arg in options.stage_args if r == role) for role in ROLES}
+    dtype = ("--dtype", options.dtype) if options.dtype else ()
+    encoders = [f"encoder-{i}" for i in range(options.encoders)]
+    generators = [f"generator-{i}" for i in range(options.generators)]
+    address = {name: ipc_address(name, options.run_dir) for name in [*encoders, *generators, "proxy"]}
+    to_encoders = tuple(flag for name in encoders for flag in ("--encoders", address[name]))
+    to_generators = tuple(flag for name in generators for flag in ("--generators", address[name]))
+
+    specs = []
+    for name, device in zip(encoders, devices):
+        args = ("--address", address[name], "--instance", name, "--model", str(model),
+                "--model-id", model_id, "--device", device, *dtype, *extra["encoder"])
+        specs.append(_spec(options, "encoder", name, address[name], device, args, env))
+    for name, device in zip(generators, devices[len(encoders):]):
+        args = ("--address", address[name], "--instance", name, "--model", str(model),
+                "--device", device, *dtype, "--mode", options.mode, *to_encoders, *extra["generator"])
+        specs.append(_spec(options, "generator", name, address[name], device, args, env))
+    args = ("--host", options.host, "--port", str(options.port), "--address", address["proxy"],
+            "--model", str(model), "--model-id", model_id, "--mode", options.mode, *to_encoders,
+            *to_generators, *extra["proxy"])
+    specs.append(_spec(options, "proxy", "proxy", address["proxy"], "cpu", args, {}))
+    return specs
+
+
+def stage_devices(options: LaunchOptions, facts: HostFacts, count: int) -> list[str]:
+    """The device of each of `count` model stages (encoders first)."""
+    if not _uses_cuda(options, facts):
+        return ["cpu"] * count
+    gpus = options.gpus if options.gpus is not None else tuple(range(facts.gpu_count))
+    if not gpus:
+        raise LaunchError("--device cuda: no CUDA GPU is visible (torch.cuda.device_count() is 0)")
+    missing = [g for g in gpus if g >= facts.gpu_count]
+    if missing:
+        raise LaunchError(f"--gpus {missing[0]}: only {facts.gpu_count} GPU(s) are visible "
+                          f"(numbers 0..{facts.gpu_count - 1})")
+    return [f"cuda:{gpus[i % len(gpus)]}" for i in range(count)]
+
+
+def shared_gpus(specs: list[StageSpec]) -> dict[str, list[str]]:
+    """GPU -> instances, for GPUs that hold more than one stage (an operator
+    wants MPS there)."""
+    by_device: dict[str, list[str]] = {}
+    for spec in specs:
+        if spec.device.startswith("cuda"):
+            by_device.setdefault(spec.device, []).append(spec.instance)
+    return {device: names for device, names in by_device.items() if len(names) > 1}
+
+
+def http_url(host: str, port: int, path: str, *, for_client: bool = False) -> str:
+    """`for_client`: a wildcard bind address becomes loopback, so the
+    launcher can poll a proxy listening on every interface."""
+    if for_client and host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif for_client and host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}{path}"
+
+
+def host_facts(options: LaunchOptions) -> HostFacts:
+    """Look at the host only as far as the options need: torch is imported
+    only when GPUs may be used, the tiny model is written only when served."""
+    gpu_count = 0
+    if options.device == "cuda" or options.gpus is not None or (
+            options.device == "auto" and options.model is not None):
+        import torch
+
+        gpu_count = torch.cuda.device_count()
+    builtin = None
+    if options.model is None:
+        from pipeline.models.tiny import default_model_dir
+
+        builtin = default_model_dir()
+    return HostFacts(gpu_count, builtin)
+
+
+def _uses_cuda(options: LaunchOptions, facts: HostFacts) -> bool:
+    if options.device == "cuda" or options.gpus is not None:
+        return True
+    if options.device == "cpu":
+        return False
+    # auto: the built-in tiny model is a CPU smoke test; a real checkpoint
+    # goes to the GPUs when there are any.
+    return options.model is not None and facts.gpu_count > 0
+
+
+def _spec(options: LaunchOptions, role: str, name: str, address: str, device: str,
+          args: tuple[str, ...], env: Mapping[str, str]) -> StageSpec:
+    return StageSpec(role, name, address, device, (options.python, "-m", f"stages.{role}"),
+                     tuple(args), dict(env))
+
+
+def _check_choice(option: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise LaunchError(f"{option} must be one of {', '.join(allowed)} (got {value!r})")
+
+
+def _check_stage_arg(role: str, arg: str) -> None:
+    if role not in ROLES:
+        raise LaunchError(f"--stage-arg {role}={arg}: role must be one of {', '.join(ROLES)}")
+    if not arg:
+        raise LaunchError(f"--stage-arg {role}=: the flag is empty")
+    flag = arg.split("=", 1)[0]
+    if flag in MANAGED_FLAGS[role]:
+        raise LaunchError(f"--stage-arg {role}={arg}: {flag} is set by the launcher; "
+                          "use the launcher's own option")

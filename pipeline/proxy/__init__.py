@@ -1,0 +1,1 @@
+"""The OpenAI-compatible front end's logic (the process is stages/proxy.py)."""

@@ -1,0 +1,226 @@
+"""The proxy's side of the stages: sends encode jobs and generate requests,
+routes token deltas back to the waiting HTTP handlers, watches stage health.
+
+Failure handling:
+- an encode job that fails with a retryable reason, or whose encoder stops
+  answering, is sent to the next encoder in the content's rendezvous order;
+- a generator that stops answering: its requests that have produced nothing
+  yet are sent again to another generator; the others end with an error;
+- a bad image (non-retryable failure) ends its request with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from pipeline import protocol, transport
+from pipeline.proxy.api_types import ApiError
+from pipeline.proxy.routing import encoder_order, least_loaded
+
+log = logging.getLogger("epd.proxy")
+
+
+@dataclass
+class Work:
+    """What the proxy sends for one request (kept to re-send it)."""
+
+    request: protocol.GenerateRequest
+    jobs: list[protocol.EncodeJob]   # consumer filled in at dispatch
+    cost: int                        # prompt + max new tokens, for load balancing
+
+
+@dataclass
+class Flight:
+    work: Work
+    generator: str
+    deltas: asyncio.Queue
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    tokens: int = 0
+    encoders: dict[str, list[str]] = field(default_factory=dict)   # job id -> encoders tried
+
+
+class Dispatcher:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, encoders: list[str], generators: list[str],
+                 aggregated: bool, max_in_flight: int = 1024, stage_timeout: float = 3.0,
+                 ping_interval: float = 0.5) -> None:
+        self.address = address
+        self.inbox = transport.Inbox(ctx, address)
+        self.outbox = transport.Outbox(ctx)
+        self.encoders = encoders
+        self.generators = generators
+        self.aggregated = aggregated
+        self.max_in_flight = max_in_flight
+        self.stage_timeout = stage_timeout
+        self.ping_interval = ping_interval
+        self.flights: dict[str, Flight] = {}
+        self.load: dict[str, int] = {g: 0 for g in generators}
+        self.last_seen: dict[str, float] = {}
+        self.stats: dict[str, protocol.StageStats] = {}
+        self.on_finish = None   # callback(flight, delta) for metrics
+        self._ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+
+    # ----------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.inbox.close()
+        self.outbox.close()
+
+    def up(self, address: str) -> bool:
+        seen = self.last_seen.get(address)
+        return seen is not None and time.monotonic() - seen < self.stage_timeout
+
+    def healthy(self) -> bool:
+        stages = self.generators + ([] if self.aggregated else self.encoders)
+        return all(self.up(a) for a in stages)
+
+    # -------------------------------------------------------------- submit
+
+    def submit(self, work: Work) -> Flight:
+        if len(self.flights) >= self.max_in_flight:
+            raise ApiError("server busy: too many requests in flight, retry later", status=503,
+                           kind="server_busy")
+        generator = self._pick_generator(exclude=())
+        flight = Flight(work, generator, asyncio.Queue())
+        self.flights[work.request.request_id] = flight
+        self._dispatch(flight)
+        return flight
+
+    def _pick_generator(self, exclude) -> str:
+        candidates = [g for g in self.generators if self.up(g) and g not in exclude]
+        if not candidates:
+            raise ApiError("no generator is available", status=503, kind="server_busy")
+        return least_loaded(candidates, self.load)
+
+    def _dispatch(self, flight: Flight) -> None:
+        """Send the encode jobs and the generate request at the same time;
+        the generator never waits for the proxy to see the embeddings."""
+        self.load[flight.generator] += flight.work.cost
+        if not self.aggregated:
+            for job in flight.work.jobs:
+                self._send_job(flight, job, tried=[])
+        self._send(flight.generator, flight.work.request)
+
+    def _send_job(self, flight: Flight, job: protocol.EncodeJob, tried: list[str]) -> bool:
+        order = [e for e in encoder_order(job.content_hash, self.encoders) if e not in tried]
+        live = [e for e in order if self.up(e)] or order
+        if not live:
+            return False
+        target = live[0]
+        flight.encoders[job.job_id] = tried + [target]
+        job = protocol.EncodeJob(job.job_id, job.request_id, job.content_hash, job.media, flight.generator,
+                                 job.expected_tokens, self.address)
+        self._send(target, job)
+        return True
+
+    def abort(self, request_id: str) -> None:
+        flight = self.flights.pop(request_id, None)
+        if flight is not None:
+            self.load[flight.generator] -= flight.work.cost
+            self._send(flight.generator, protocol.AbortRequest((request_id,)))
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}-{time.monotonic_ns() % 1_000_000_000}"
+
+    # ------------------------------------------------------------ incoming
+
+    async def _receive(self) -> None:
+        while True:
+            message = await self.inbox.recv()
+            if isinstance(message, protocol.TokenDelta):
+                self._on_delta(message)
+            elif isinstance(message, protocol.EncodeFailed):
+                self._on_encode_failed(message)
+            elif isinstance(message, protocol.StageStats):
+                self.last_seen[message.address] = time.monotonic()
+                self.stats[message.address] = message
+
+    def _on_delta(self, delta: protocol.TokenDelta) -> None:
+        flight = self.flights.get(delta.request_id)
+        if flight is None:
+            return
+        if delta.token_ids and flight.first_token_at is None:
+            flight.first_token_at = time.monotonic()
+        flight.tokens += len(delta.token_ids)
+        if delta.finished:
+            self.flights.pop(delta.request_id, None)
+            self.load[flight.generator] -= flight.work.cost
+            if self.on_finish is not None:
+                self.on_finish(flight, delta)
+        flight.deltas.put_nowait(delta)
+
+    def _on_encode_failed(self, failed: protocol.EncodeFailed) -> None:
+        flight = self.flights.get(failed.request_id)
+        if flight is None:
+            return
+        job = next((j for j in flight.work.jobs if j.job_id == failed.job_id), None)
+        if failed.retryable and job is not None and self._send_job(flight, job, flight.encoders.get(job.job_id, [])):
+            log.warning("encode job %s failed on %s (%s): sent to another encoder", failed.job_id,
+                        failed.encoder_id, failed.reason)
+            return
+        self._fail(flight, f"image could not be encoded: {failed.reason}")
+
+    def _fail(self, flight: Flight, reason: str) -> None:
+        request_id = flight.work.request.request_id
+        self.abort(request_id)
+        delta = protocol.TokenDelta(request_id, (), "", True, "error", error=reason)
+        if self.on_finish is not None:
+            self.on_finish(flight, delta)
+        flight.deltas.put_nowait(delta)
+
+    # --------------------------------------------------------------- health
+
+    async def _watch(self) -> None:
+        while True:
+            for address in self.generators + ([] if self.aggregated else self.encoders):
+                self._send(address, protocol.StatsRequest(self.address))
+            await asyncio.sleep(self.ping_interval)
+            self._handle_down_stages()
+
+    def _handle_down_stages(self) -> None:
+        for flight in list(self.flights.values()):
+            if self.up(flight.generator) or flight.generator not in self.last_seen:
+                continue
+            if flight.tokens == 0:
+                self._redispatch(flight)
+            else:
+                self._fail(flight, f"generator {flight.generator} stopped responding")
+        if not self.aggregated:
+            for flight in list(self.flights.values()):
+                for job in flight.work.jobs:
+                    tried = flight.encoders.get(job.job_id, [])
+                    if tried and not self.up(tried[-1]) and tried[-1] in self.last_seen:
+                        self._send_job(flight, job, tried)
+
+    def _redispatch(self, flight: Flight) -> None:
+        self.load[flight.generator] -= flight.work.cost
+        try:
+            flight.generator = self._pick_generator(exclude=(flight.generator,))
+        except ApiError as exc:
+            self.flights.pop(flight.work.request.request_id, None)
+            flight.deltas.put_nowait(protocol.TokenDelta(flight.work.request.request_id, (), "", True,
+                                                         "error", error=str(exc)))
+            return
+        log.warning("request %s moved to generator %s", flight.work.request.request_id, flight.generator)
+        flight.encoders.clear()
+        self._dispatch(flight)
+
+    def _send(self, address: str, message: protocol.Message) -> None:
+        try:
+            self.outbox.send(address, message)
+        except zmq.ZMQError as exc:
+            log.warning("cannot send %s to %s: %s", type(message).__name__, address, exc)

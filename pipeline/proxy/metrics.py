@@ -1,0 +1,70 @@
+"""/metrics: the proxy's own request metrics plus every stage's counters and
+gauges (from their StageStats replies), labelled by stage and instance."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class ProxyMetrics:
+    def __init__(self, dispatcher) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("epd_requests", "Requests by final status", ["status"], registry=self.registry)
+        self.ttft = Histogram("epd_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=self.registry)
+        self.tpot = Histogram("epd_time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("epd_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS,
+                             registry=self.registry)
+        self.registry.register(_StageCollector(dispatcher))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# Which StageStats entries become which series.
+_STAGE_COUNTERS = {"epd_yields": ("generator", "yields"), "epd_preemptions": ("generator", "preemptions")}
+_STAGE_GAUGES = {
+    "epd_arena_bytes_used": ("encoder", "arena_bytes_used"),
+    "epd_arena_leases": ("encoder", "arena_leases"),
+    "epd_arena_entries": ("encoder", "arena_entries"),
+    "epd_kv_blocks_used": ("generator", "kv_blocks_used"),
+    "epd_kv_blocks_total": ("generator", "kv_blocks_total"),
+    "epd_running_requests": ("generator", "running"),
+    "epd_waiting_requests": ("generator", "waiting"),
+    "epd_encoder_cache_tokens": ("generator", "encoder_cache_tokens"),
+}
+
+
+class _StageCollector:
+    def __init__(self, dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    def collect(self):
+        stats = list(self.dispatcher.stats.values())
+        labels = ["stage", "instance"]
+        up = GaugeMetricFamily("epd_stage_up", "1 when the stage answered recently", labels=labels)
+        for address, s in self.dispatcher.stats.items():
+            up.add_metric([s.stage, s.instance], 1.0 if self.dispatcher.up(address) else 0.0)
+        yield up
+        jobs = CounterMetricFamily("epd_encoder_jobs", "Encode jobs by outcome", labels=labels + ["outcome"])
+        for s in stats:
+            if s.stage == "encoder":
+                for outcome in ("encoded", "dedup", "failed"):
+                    jobs.add_metric([s.stage, s.instance, outcome], s.counters.get(outcome, 0))
+        yield jobs
+        for name, (stage, key) in _STAGE_COUNTERS.items():
+            family = CounterMetricFamily(name, key, labels=labels)
+            for s in stats:
+                if s.stage == stage:
+                    family.add_metric([s.stage, s.instance], s.counters.get(key, 0))
+            yield family
+        for name, (stage, key) in _STAGE_GAUGES.items():
+            family = GaugeMetricFamily(name, key, labels=labels)
+            for s in stats:
+                if s.stage == stage:
+                    family.add_metric([s.stage, s.instance], s.gauges.get(key, 0.0))
+            yield family

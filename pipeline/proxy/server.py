@@ -1,0 +1,193 @@
+"""The OpenAI-compatible HTTP API (aiohttp): chat and text completions,
+streaming (SSE) or not, models, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+from aiohttp import web
+
+from pipeline import protocol
+from pipeline.proxy.api_types import ApiError, parse_body
+from pipeline.proxy.dispatcher import Dispatcher, Flight
+from pipeline.proxy.media_fetch import FetchPolicy
+from pipeline.proxy.metrics import ProxyMetrics
+from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
+
+MAX_BODY = 64 << 20
+
+
+class ProxyApp:
+    def __init__(self, dispatcher: Dispatcher, model: ModelInfo, policy: FetchPolicy) -> None:
+        self.dispatcher = dispatcher
+        self.model = model
+        self.policy = policy
+        self.metrics = ProxyMetrics(dispatcher)
+        dispatcher.on_finish = self._record
+        self.session = None
+
+    def build(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
+        app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
+                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/metrics", self.metrics_page)])
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app) -> None:
+        self.dispatcher.start()
+        if self.policy.allow_http:
+            import aiohttp
+
+            self.session = aiohttp.ClientSession()
+
+    async def _stop(self, app) -> None:
+        if self.session is not None:
+            await self.session.close()
+        await self.dispatcher.close()
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            self.metrics.requests.labels("rejected").inc()
+            headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+            return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+    # ------------------------------------------------------------ endpoints
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = parse_body(await request.read(), "chat")
+        rid = "chatcmpl-" + self.dispatcher.new_request_id()
+        work = await chat_work(req, self.model, self.policy, rid, self.dispatcher.address, self.session)
+        return await self._serve(request, req, work, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_body(await request.read(), "completion")
+        rid = "cmpl-" + self.dispatcher.new_request_id()
+        work = await completion_work(req, self.model, rid, self.dispatcher.address)
+        return await self._serve(request, req, work, chat=False)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model.model_id, "object": "model", "created": 0, "owned_by": "epd",
+             "max_model_len": self.model.max_context}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.dispatcher.healthy():
+            return web.json_response({"status": "ok"})
+        down = [a for a in self.dispatcher.generators + self.dispatcher.encoders if not self.dispatcher.up(a)]
+        return web.json_response({"status": "unavailable", "down": down}, status=503)
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+    # -------------------------------------------------------------- serving
+
+    async def _serve(self, request: web.Request, req, work, chat: bool) -> web.StreamResponse:
+        flight = self.dispatcher.submit(work)
+        rid = work.request.request_id
+        try:
+            first = await self._next(request, flight)
+            if first.finished and first.error:
+                raise ApiError(first.error, status=400 if "image" in first.error else 500,
+                               kind="invalid_request_error" if "image" in first.error else "server_error")
+            if req.stream:
+                return await self._stream(request, req, rid, flight, first, chat)
+            return await self._whole(request, rid, flight, first, chat)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.dispatcher.abort(rid)
+            self.metrics.requests.labels("aborted").inc()
+            raise
+
+    async def _next(self, request: web.Request, flight: Flight) -> protocol.TokenDelta:
+        """The next delta; a client that went away aborts the request."""
+        while True:
+            try:
+                return await asyncio.wait_for(flight.deltas.get(), 1.0)
+            except asyncio.TimeoutError:
+                if request.transport is None or request.transport.is_closing():
+                    raise ConnectionResetError("client disconnected") from None
+
+    async def _whole(self, request, rid, flight, delta, chat):
+        text, last = delta.text, delta
+        while not last.finished:
+            last = await self._next(request, flight)
+            text += last.text
+        if last.error:
+            raise ApiError(last.error, status=500, kind="server_error")
+        body = _response(rid, self.model.model_id, text, last, chat)
+        return web.json_response(body)
+
+    async def _stream(self, request, req, rid, flight, delta, chat):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        created = int(time.time())
+        if chat:
+            await _sse(response, _chunk(rid, self.model.model_id, created, {"role": "assistant", "content": ""},
+                                        None, chat))
+        while True:
+            if delta.error:
+                await _sse(response, {"error": {"message": delta.error, "type": "server_error", "code": 500}})
+                break
+            if delta.text or delta.finished:
+                payload = {"content": delta.text} if chat else delta.text
+                await _sse(response, _chunk(rid, self.model.model_id, created, payload,
+                                            delta.finish_reason or None, chat))
+            if delta.finished:
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    usage = _chunk(rid, self.model.model_id, created, None, None, chat)
+                    usage["choices"], usage["usage"] = [], _usage(delta)
+                    await _sse(response, usage)
+                break
+            delta = await self._next(request, flight)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _record(self, flight: Flight, delta: protocol.TokenDelta) -> None:
+        now = time.monotonic()
+        self.metrics.requests.labels("error" if delta.error else "ok").inc()
+        if delta.error:
+            return
+        self.metrics.e2e.observe(now - flight.created)
+        if flight.first_token_at is not None:
+            self.metrics.ttft.observe(flight.first_token_at - flight.created)
+            if flight.tokens > 1:
+                self.metrics.tpot.observe((now - flight.first_token_at) / (flight.tokens - 1))
+
+
+def _usage(delta: protocol.TokenDelta) -> dict:
+    return {"prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens,
+            "total_tokens": delta.prompt_tokens + delta.completion_tokens}
+
+
+def _response(rid, model_id, text, last, chat) -> dict:
+    choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model_id, "choices": [choice], "usage": _usage(last)}
+
+
+def _chunk(rid, model_id, created, payload, finish_reason, chat) -> dict:
+    choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    if chat:
+        choice["delta"] = payload or {}
+    else:
+        choice["text"] = payload or ""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model_id, "choices": [choice]}
+
+
+async def _sse(response: web.StreamResponse, body: dict) -> None:
+    await response.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
+
+
+

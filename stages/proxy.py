@@ -1,0 +1,89 @@
+"""The proxy process: `python -m stages.proxy --port 8000 --encoders ADDR --generators ADDR ...`.
+
+Speaks the OpenAI HTTP API; per request it fetches and hashes the images,
+renders and tokenizes the prompt, then sends the encode jobs and the generate
+request at the same time. SIGTERM or SIGINT stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import zmq.asyncio
+from aiohttp import web
+
+from pipeline import transport
+from pipeline.hashing import media_salt
+from pipeline.models.errors import ModelLoadError
+from pipeline.models.loader import load_config
+from pipeline.models.tiny import default_model_dir
+from pipeline.processing.processor import Processor
+from pipeline.proxy.dispatcher import Dispatcher
+from pipeline.proxy.media_fetch import FetchPolicy
+from pipeline.proxy.requests import ModelInfo
+from pipeline.proxy.server import ProxyApp
+
+
+def _addresses(values: list[str]) -> list[str]:
+    return [a for v in values for a in v.split(",") if a]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="stages.proxy", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", help="this proxy's inbox (default: ipc:// in the private run folder)")
+    p.add_argument("--model", type=Path, help="checkpoint folder (default: the built-in tiny model)")
+    p.add_argument("--model-id", help="served model name and hash salt (default: the folder name)")
+    p.add_argument("--mode", choices=("epd", "aggregated"), default="epd")
+    p.add_argument("--encoders", action="append", default=[], help="encoder inbox(es); repeatable or comma-separated")
+    p.add_argument("--generators", action="append", default=[], help="generator inbox(es)")
+    p.add_argument("--allow-file-dir", action="append", default=[], type=Path, help="folder file:// URLs may read")
+    p.add_argument("--allow-http", action="store_true", help="fetch http(s):// image URLs")
+    p.add_argument("--max-image-bytes", type=int, default=20 << 20)
+    p.add_argument("--max-images", type=int, default=16, help="images per request")
+    p.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight before 503")
+    args = p.parse_args(argv)
+    args.encoders, args.generators = _addresses(args.encoders), _addresses(args.generators)
+    if not args.generators:
+        p.error("at least one --generators address is required")
+    if args.mode == "epd" and not args.encoders:
+        p.error("--mode epd needs at least one --encoders address")
+    if not 0 < args.port < 65536:
+        p.error("--port must be in 1..65535")
+    return args
+
+
+def build_app(args: argparse.Namespace) -> web.Application:
+    model_dir = args.model or default_model_dir()
+    _, config = load_config(model_dir)
+    processor = Processor.from_checkpoint(model_dir, config.image_token_id)
+    model_id = args.model_id or Path(model_dir).name
+    model = ModelInfo(model_id, processor, config.max_context,
+                      media_salt(model_id, processor.image_config.settings_key()),
+                      aggregated=args.mode == "aggregated", max_images=args.max_images)
+    address = args.address or transport.ipc_address(f"proxy-{args.port}")
+    dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
+                            args.mode == "aggregated", args.max_in_flight)
+    policy = FetchPolicy(args.max_image_bytes, tuple(args.allow_file_dir), args.allow_http)
+    return ProxyApp(dispatcher, model, policy).build()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    transport.install_event_loop()
+    try:
+        app = build_app(args)
+    except (ModelLoadError, ValueError, FileNotFoundError) as exc:
+        print(f"stages.proxy: error: {exc}", file=sys.stderr)
+        return 1
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
