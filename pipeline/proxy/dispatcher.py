@@ -4,8 +4,10 @@ routes token deltas back to the waiting HTTP handlers, watches stage health.
 Failure handling:
 - an encode job that fails with a retryable reason, or whose encoder stops
   answering, is sent to the next encoder in the content's rendezvous order;
-- a generator that stops answering: its requests that have produced nothing
-  yet are sent again to another generator; the others end with an error;
+- a generator that stops answering: its requests move to another generator.
+  One that has produced tokens resumes there: the tokens so far are appended
+  to its prompt and only the rest is generated, so the client's stream just
+  goes on (usage still counts them as completion tokens);
 - a bad image (non-retryable failure) ends its request with an error.
 """
 
@@ -17,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -44,6 +47,8 @@ class Flight:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)   # generated so far
+    resumed_from: int = 0      # tokens generated before the last move to another generator
     encoders: dict[str, list[str]] = field(default_factory=dict)   # job id -> encoders tried
 
 
@@ -156,6 +161,11 @@ class Dispatcher:
         if delta.token_ids and flight.first_token_at is None:
             flight.first_token_at = time.monotonic()
         flight.tokens += len(delta.token_ids)
+        flight.token_ids += delta.token_ids
+        if delta.finished and flight.resumed_from:
+            delta = msgspec.structs.replace(
+                delta, prompt_tokens=delta.prompt_tokens - flight.resumed_from,
+                completion_tokens=delta.completion_tokens + flight.resumed_from)
         if delta.finished:
             self.flights.pop(delta.request_id, None)
             self.load[flight.generator] -= flight.work.cost
@@ -193,12 +203,8 @@ class Dispatcher:
 
     def _handle_down_stages(self) -> None:
         for flight in list(self.flights.values()):
-            if self.up(flight.generator) or flight.generator not in self.last_seen:
-                continue
-            if flight.tokens == 0:
+            if not self.up(flight.generator) and flight.generator in self.last_seen:
                 self._redispatch(flight)
-            else:
-                self._fail(flight, f"generator {flight.generator} stopped responding")
         if not self.aggregated:
             for flight in list(self.flights.values()):
                 for job in flight.work.jobs:
@@ -208,6 +214,12 @@ class Dispatcher:
 
     def _redispatch(self, flight: Flight) -> None:
         self.load[flight.generator] -= flight.work.cost
+        if flight.token_ids:
+            left = flight.work.request.sampling.max_tokens - (len(flight.token_ids) - flight.resumed_from)
+            if left <= 0:  # only its final message was lost
+                self._finish_lost(flight)
+                return
+            self._resume_point(flight)
         try:
             flight.generator = self._pick_generator(exclude=(flight.generator,))
         except ApiError as exc:
@@ -218,6 +230,27 @@ class Dispatcher:
         log.warning("request %s moved to generator %s", flight.work.request.request_id, flight.generator)
         flight.encoders.clear()
         self._dispatch(flight)
+
+    def _finish_lost(self, flight: Flight) -> None:
+        request = flight.work.request
+        rid = request.request_id
+        self.flights.pop(rid, None)
+        prompt = len(request.prompt_token_ids) - flight.resumed_from
+        delta = protocol.TokenDelta(rid, (), "", True, "length", prompt, len(flight.token_ids))
+        if self.on_finish is not None:
+            self.on_finish(flight, delta)
+        flight.deltas.put_nowait(delta)
+
+    def _resume_point(self, flight: Flight) -> None:
+        """Make the request continue after the tokens it already produced."""
+        done = flight.token_ids[flight.resumed_from:]
+        request = flight.work.request
+        s = request.sampling
+        sampling = msgspec.structs.replace(s, max_tokens=max(1, s.max_tokens - len(done)),
+                                           min_tokens=max(0, s.min_tokens - len(done)))
+        flight.work.request = msgspec.structs.replace(
+            request, prompt_token_ids=request.prompt_token_ids + tuple(done), sampling=sampling)
+        flight.resumed_from = len(flight.token_ids)
 
     def _send(self, address: str, message: protocol.Message) -> None:
         try:

@@ -1,0 +1,193 @@
+"""The whole EPD path with real processes and the official openai SDK."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from conftest import REPO, image_bytes, random_image
+from stack import Stack
+
+
+@pytest.fixture(scope="module")
+def epd(tiny_dir, tmp_path_factory):
+    stack = Stack(tmp_path_factory.mktemp("epd"), tiny_dir, encoders=1, generators=3)
+    try:
+        stack.wait_healthy()
+        yield stack
+    finally:
+        stack.close()
+
+
+@pytest.fixture(scope="module")
+def aggregated(tiny_dir, tmp_path_factory):
+    stack = Stack(tmp_path_factory.mktemp("agg"), tiny_dir, encoders=0, generators=2, aggregated=True)
+    try:
+        stack.wait_healthy()
+        yield stack
+    finally:
+        stack.close()
+
+
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def data_url(data: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def chat_messages(images: list[bytes], text: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(b)}} for b in images]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+def chat(stack, images, text, stream=False, max_tokens=16, **extra):
+    c = client(stack)
+    kwargs = dict(model="tiny", messages=chat_messages(images, text), max_tokens=max_tokens, temperature=0,
+                  extra_body=extra or None)
+    if not stream:
+        r = c.chat.completions.create(**kwargs)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+    chunks = c.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    text_out, reason, usage = "", None, None
+    for chunk in chunks:
+        if chunk.choices:
+            text_out += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+        if chunk.usage:
+            usage = chunk.usage
+    return text_out, reason, usage
+
+
+IMAGES = {n: [image_bytes(random_image(80 + 40 * i, 120 - 10 * i, seed=50 + i)) for i in range(n)] for n in (0, 1, 2)}
+
+
+def epd_generate(tiny_dir, tmp_path, images, text, max_tokens=16):
+    args = []
+    for i, b in enumerate(images):
+        path = tmp_path / f"img{i}.png"
+        path.write_bytes(b)
+        args += ["--image", str(path)]
+    run = subprocess.run([sys.executable, str(REPO / "bin" / "epd-generate"), "--model", str(tiny_dir),
+                          "--prompt", text, *args, "--max-tokens", str(max_tokens), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("num_images", [0, 1, 2])
+def test_chat_equals_offline_generation_and_aggregated_mode(epd, aggregated, tiny_dir, tmp_path, num_images):
+    text = f"Describe these {num_images} pictures."
+    expected = epd_generate(tiny_dir, tmp_path, IMAGES[num_images], text)
+    for stream in (False, True):
+        got, reason, usage = chat(epd, IMAGES[num_images], text, stream=stream)
+        assert got == expected["text"]
+        assert usage.prompt_tokens == len(expected["prompt_token_ids"])
+        assert usage.completion_tokens == len(expected["token_ids"])
+        assert reason in ("stop", "length")
+        assert chat(aggregated, IMAGES[num_images], text, stream=stream)[0] == expected["text"]
+
+
+def test_completions_models_and_health(epd):
+    c = client(epd)
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    r = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    assert httpx.get(epd.base_url + "/health").status_code == 200
+
+
+def test_64_concurrent_mixed_requests_succeed(epd):
+    def one(i):
+        images = IMAGES[i % 3] if i % 4 else [image_bytes(random_image(64, 64 + i, seed=1000 + i))]
+        return chat(epd, images, f"request {i}", stream=bool(i % 2), max_tokens=8, ignore_eos=True)
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(64)))
+    assert all(usage.completion_tokens == 8 and reason == "length" for _, reason, usage in results)
+
+
+def test_ten_concurrent_copies_of_a_new_image_are_encoded_once(epd):
+    image = image_bytes(random_image(100, 100, seed=4242))
+    before = epd.total("epd_encoder_jobs_total", outcome="encoded")
+    with ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(lambda i: chat(epd, [image], f"same image {i}", max_tokens=4), range(10)))
+    assert len(results) == 10
+    time.sleep(1.5)  # stats are polled
+    assert epd.total("epd_encoder_jobs_total", outcome="encoded") - before == 1
+
+
+def test_client_aborts_leave_nothing_held(epd):
+    def abandon(i):
+        try:
+            with httpx.stream("POST", epd.base_url + "/v1/chat/completions", timeout=30, json={
+                    "model": "tiny", "messages": chat_messages(IMAGES[1], f"long {i}"), "max_tokens": 4000,
+                    "stream": True, "ignore_eos": True}) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n > 3:
+                        return  # hang up mid-stream
+        except httpx.HTTPError:
+            pass
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(abandon, range(8)))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        if epd.total("epd_kv_blocks_used") == 0 and epd.total("epd_arena_leases") == 0 \
+                and epd.total("epd_running_requests") == 0:
+            break
+    assert epd.total("epd_kv_blocks_used") == 0
+    assert epd.total("epd_arena_leases") == 0
+    assert epd.total("epd_running_requests") == 0
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    (b"{not json", 400, "malformed JSON"),
+    (json.dumps({"model": "tiny", "messages": []}).encode(), 400, "messages"),
+    (json.dumps({"model": "tiny", "messages": chat_messages([b"garbage bytes"], "x")}).encode(), 400, "image 1"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "ftp://example/x.png"}}]}]}).encode(), 400, "unsupported image URL"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "word " * 9000}]}).encode(), 400,
+     "maximum context length"),
+    (json.dumps({"model": "tiny", "messages": chat_messages(IMAGES[1] * 17, "x")}).encode(), 400, "too many images"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1}).encode(), 400,
+     "temperature"),
+])
+def test_bad_input_gets_a_clear_4xx_and_harms_no_one(epd, body, status, fragment):
+    r = httpx.post(epd.base_url + "/v1/chat/completions", content=body,
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    assert fragment in r.json()["error"]["message"]
+    assert chat(epd, IMAGES[1], "still fine?", max_tokens=4)[2].completion_tokens == 4
+
+
+def test_requests_keep_succeeding_while_a_generator_is_stopped(epd):
+    stop_done = threading.Event()
+
+    def load():
+        ok = 0
+        while not stop_done.is_set() or ok < 12:
+            assert chat(epd, IMAGES[1], f"during failover {ok}", max_tokens=4)[2].completion_tokens == 4
+            ok += 1
+        return ok
+
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(load) for _ in range(3)]
+        time.sleep(1.0)
+        epd.stop_stage("gen1")
+        time.sleep(4.0)
+        stop_done.set()
+        counts = [f.result(timeout=120) for f in futures]
+    assert sum(counts) >= 36
+    epd.restart_stage("gen1")
+    epd.wait_healthy()
