@@ -40,7 +40,9 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     images = await asyncio.gather(*(fetch_image(u, policy, session) for u in urls))
     sizes = [_checked_size(i, data, model) for i, data in enumerate(images, start=1)]
     try:
-        prompt = await asyncio.to_thread(model.processor.chat_prompt, messages, sizes)
+        # Inline, not in a thread: rendering and tokenizing a prompt takes far
+        # less than a thread hop costs under the GIL.
+        prompt = model.processor.chat_prompt(messages, sizes)
     except ValueError as exc:
         raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
     return _work(req, model, request_id, reply_to, prompt.token_ids, prompt.image_spans, prompt.grids, images)
@@ -48,7 +50,7 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
 
 async def completion_work(req: CompletionRequest, model: ModelInfo, request_id: str, reply_to: str) -> Work:
     if isinstance(req.prompt, str):
-        ids = await asyncio.to_thread(model.processor.tokenizer.encode, req.prompt)
+        ids = model.processor.tokenizer.encode(req.prompt)
     else:
         ids = list(req.prompt)
         vocab = model.processor.tokenizer.vocab_size
