@@ -1,0 +1,259 @@
+"""Running a planned box: one OS process per stage, readiness through the
+proxy's /health, restarts with backoff, and a clean stop.
+
+Children stay in the launcher's process group (no setsid), so Ctrl-C in a
+terminal and systemd's control group reach them too; the launcher still
+stops them itself and reaps every one. Each child's output goes to the
+launcher's stdout prefixed with its instance name, or to
+`<log_dir>/<instance>.log`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from pipeline.arena.shm import remove_stale_segments
+from pipeline.launch.plan import StageSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RESTART_WINDOW_S = 60.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class StageFailed(RuntimeError):
+    """The box cannot be kept up; the message is one line naming the stage."""
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    stages: tuple[StageSpec, ...]
+    health_url: str  # polled until it answers 200
+    ready_url: str  # printed as "EPD ready: <ready_url>"
+    ready_timeout: float = 180.0
+    stop_timeout: float = 15.0  # SIGTERM -> SIGKILL
+    log_dir: Path | None = None
+    max_restarts_per_minute: int = 5  # per stage; one more exit stops the box
+    restart_backoff: float = 1.0  # first delay; doubles with each recent restart
+    max_backoff: float = 30.0
+    poll_interval: float = 0.2
+    # Test hook: role -> program that replaces `python -m stages.<role>`; the
+    # stage's planned flags follow it unchanged. Empty in production.
+    commands: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("ready_timeout", "stop_timeout", "restart_backoff", "max_backoff", "poll_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SupervisorConfig.{name} must be > 0 (got {getattr(self, name)})")
+        if self.max_restarts_per_minute < 0:
+            raise ValueError("SupervisorConfig.max_restarts_per_minute must be >= 0")
+        if len({s.instance for s in self.stages}) != len(self.stages):
+            raise ValueError("SupervisorConfig.stages: instance names must be unique")
+
+
+@dataclass
+class _Stage:
+    """Run-time state of one planned stage (mutable; owned by the loop)."""
+
+    spec: StageSpec
+    proc: subprocess.Popen | None = None
+    restarts: deque[float] = field(default_factory=deque)  # monotonic times of recent restarts
+    restart_at: float | None = None
+
+
+def run_supervisor(config: SupervisorConfig, out: IO[str] | None = None) -> int:
+    """Run until SIGINT/SIGTERM/SIGHUP: 0 after a clean stop, 1 (with one
+    line on stderr) when a stage fails to start or keeps dying."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
+    try:
+        Supervisor(config, out or sys.stdout).run(stop)
+    except StageFailed as exc:
+        print(f"epd-launch: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+class Supervisor:
+    def __init__(self, config: SupervisorConfig, out: IO[str]) -> None:
+        self.config = config
+        self.out = out
+        self.lock = threading.Lock()  # one writer at a time on `out`
+        self.stages = [_Stage(spec) for spec in config.stages]
+        self.pumps: list[threading.Thread] = []
+        self.width = max((len(s.instance) for s in config.stages), default=0)
+
+    def run(self, stop: threading.Event) -> None:
+        """Start, wait until ready, keep up until `stop`; always stops and
+        reaps every child on the way out."""
+        try:
+            for stage in self.stages:
+                self._start(stage)
+            if self._wait_ready(stop):
+                self._write(f"EPD ready: {self.config.ready_url}")
+                self._watch(stop)
+        finally:
+            self._stop_all()
+
+    def _wait_ready(self, stop: threading.Event) -> bool:
+        """True once /health answers 200; False when asked to stop first."""
+        deadline = time.monotonic() + self.config.ready_timeout
+        last = "no answer"
+        while not stop.is_set():
+            for stage in self.stages:
+                code = stage.proc.poll()
+                if code is not None and not stop.is_set():
+                    raise StageFailed(f"{stage.spec.instance} {_exit_text(code)} before the server was "
+                                      f"ready{self._log_hint(stage.spec)}")
+            status = _health_status(self.config.health_url)
+            if status == 200:
+                return True
+            last = "no answer" if status is None else f"HTTP {status}"
+            if time.monotonic() >= deadline:
+                raise StageFailed(f"timed out: the proxy's {self.config.health_url} did not answer 200 within "
+                                  f"{self.config.ready_timeout:g} s (last: {last})")
+            stop.wait(self.config.poll_interval)
+        return False
+
+    def _watch(self, stop: threading.Event) -> None:
+        while not stop.wait(self.config.poll_interval):
+            now = time.monotonic()
+            for stage in self.stages:
+                if stage.proc is not None and (code := stage.proc.poll()) is not None:
+                    if stop.is_set():  # it saw the same Ctrl-C we did
+                        return
+                    self._schedule_restart(stage, code, now)
+                elif stage.restart_at is not None and now >= stage.restart_at:
+                    self._start(stage)
+
+    def _schedule_restart(self, stage: _Stage, code: int, now: float) -> None:
+        stage.proc = None
+        while stage.restarts and now - stage.restarts[0] > RESTART_WINDOW_S:
+            stage.restarts.popleft()
+        name = stage.spec.instance
+        if len(stage.restarts) >= self.config.max_restarts_per_minute:
+            raise StageFailed(f"{name} {_exit_text(code)} after {len(stage.restarts)} restart(s) in the "
+                              f"last {RESTART_WINDOW_S:g} s; giving up{self._log_hint(stage.spec)}")
+        delay = min(self.config.max_backoff, self.config.restart_backoff * 2 ** len(stage.restarts))
+        stage.restarts.append(now)
+        stage.restart_at = now + delay
+        self._write(f"epd-launch: {name} {_exit_text(code)}; restarting in {delay:g} s "
+                    f"(restart {len(stage.restarts)} in the last {RESTART_WINDOW_S:g} s)")
+
+    def _start(self, stage: _Stage) -> None:
+        spec = stage.spec
+        argv = [*self.config.commands.get(spec.role, spec.program), *spec.args]
+        log = self._open_log(spec, argv)
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                    stdout=log if log else subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    env=_child_env(spec.env), close_fds=True)
+        except OSError as exc:
+            raise StageFailed(f"cannot start {spec.instance} ({argv[0]}): {exc.strerror or exc}") from None
+        finally:
+            if log:
+                log.close()  # the child holds its own descriptor
+        stage.proc, stage.restart_at = proc, None
+        self._write(f"epd-launch: started {spec.instance} (pid {proc.pid}, {spec.device}): {shlex.join(argv)}")
+        if proc.stdout is not None:
+            pump = threading.Thread(target=self._pump, args=(proc.stdout, spec.instance),
+                                    name=f"output-{spec.instance}", daemon=True)
+            pump.start()
+            self.pumps = [p for p in self.pumps if p.is_alive()] + [pump]
+
+    def _open_log(self, spec: StageSpec, argv: list[str]) -> IO[bytes] | None:
+        if self.config.log_dir is None:
+            return None
+        log = open(self.config.log_dir / f"{spec.instance}.log", "ab")
+        log.write(f"--- epd-launch {time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(argv)}\n".encode())
+        log.flush()
+        return log
+
+    def _pump(self, stream: IO[bytes], instance: str) -> None:
+        prefix = instance.ljust(self.width)
+        with stream:
+            for raw in iter(stream.readline, b""):
+                self._write(f"{prefix} | {raw.decode('utf-8', 'replace').rstrip()}")
+
+    def _write(self, line: str) -> None:
+        with self.lock:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+    def _stop_all(self) -> None:
+        """SIGTERM everyone, SIGKILL whoever outlives stop_timeout, reap all,
+        then remove what the dead left behind (shm segments, socket files)."""
+        running = [s for s in self.stages if s.proc is not None and s.proc.poll() is None]
+        for stage in running:
+            stage.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.stop_timeout
+        for stage in running:
+            try:
+                stage.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._write(f"epd-launch: {stage.spec.instance} did not stop within "
+                            f"{self.config.stop_timeout:g} s; killing it")
+                stage.proc.kill()
+                stage.proc.wait()
+        for stage in self.stages:
+            # A SIGKILLed encoder cannot unlink its arena; the instance name finds it.
+            removed = remove_stale_segments(stage.spec.instance)
+            if removed:
+                self._write(f"epd-launch: removed shared memory left by {stage.spec.instance}: "
+                            f"{', '.join(removed)}")
+            if stage.spec.address.startswith("ipc://"):
+                Path(stage.spec.address[len("ipc://"):]).unlink(missing_ok=True)
+        for pump in self.pumps:
+            pump.join(timeout=2.0)  # a grandchild may still hold the pipe; never hang on it
+
+    def _log_hint(self, spec: StageSpec) -> str:
+        if self.config.log_dir is None:
+            return ""
+        return f" (log: {self.config.log_dir / (spec.instance + '.log')})"
+
+
+def _child_env(overrides: Mapping[str, str]) -> dict[str, str]:
+    env = {**os.environ, **overrides}
+    # Lines reach the prefixing pump as they are printed, not at exit.
+    env["PYTHONUNBUFFERED"] = "1"
+    # `python -m stages.<role>` must resolve from any working directory.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _health_status(url: str) -> int | None:
+    """The HTTP status of a GET, or None when nothing answers."""
+    # An empty ProxyHandler: an http_proxy in the environment must not carry
+    # a loopback health check elsewhere.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=2.0) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
