@@ -50,12 +50,20 @@ def load_model(model_dir: Path, dtype: str = "float32", device: str = "cpu",
     torch_dtype = parse_dtype(dtype)
     target = resolve_device(device)
     family, config = load_config(model_dir)
-    with torch.device("meta"):
-        model = family.build(config, torch_dtype)
-    if part is not None:
-        model = model.get_submodule(part)
-    model = model.to_empty(device=target)
-    model.reset_buffers()
+    model = materialize(family, config, torch_dtype, target, part)
     load_weights(model, family, config, model_dir, target, prefix=f"{part}." if part else "")
     model.eval().requires_grad_(False)
     return LoadedModel(family, config, model, model_dir, torch_dtype, target)
+
+
+def materialize(family: ModelFamily, config: Any, dtype: torch.dtype, device: torch.device,
+                part: str | None = None) -> torch.nn.Module:
+    """The model (or its submodule `part`) with uninitialised memory on
+    `device`: built on the meta device first, so nothing is allocated twice."""
+    with torch.device("meta"):
+        model = family.build(config, dtype)
+    if part is not None:
+        model = model.get_submodule(part)
+    model = model.to_empty(device=device)
+    model.reset_buffers()
+    return model

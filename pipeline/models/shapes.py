@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models.loader import LoadedModel
+from pipeline.models.loader import LoadedModel, materialize
 from pipeline.models.registry import family_for
 
 _QWEN25_VL_3B = {
@@ -38,12 +38,7 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int
     raw = SHAPES[shape]
     family = family_for(raw)
     config = family.parse_config(raw)
-    with torch.device("meta"):
-        model = family.build(config, dtype)
-    if part is not None:
-        model = model.get_submodule(part)
-    model = model.to_empty(device=device)
-    model.reset_buffers()
+    model = materialize(family, config, dtype, device, part)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight") or "norm1" in name or "norm2" in name or "ln_q" in name:
