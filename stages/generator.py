@@ -86,9 +86,10 @@ def image_decoder(backend: str, device, model_dir: Path):
     return decode
 
 
-def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event) -> None:
-    """Receiver thread: frames -> messages, nothing else (the engine thread
-    never waits on a socket)."""
+def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
+            service: GeneratorService) -> None:
+    """Receiver thread: frames -> messages (and, in aggregated mode, decoded
+    images), so the engine thread never waits on a socket or a decoder."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     while not stop.is_set():
@@ -96,9 +97,11 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event)
             continue
         frame = sock.recv(copy=False)
         try:
-            inbound.put(protocol.decode(frame.buffer))
+            message = protocol.decode(frame.buffer)
         except (ValueError, TypeError):
             log.warning("dropped a frame that is not a declared message")
+            continue
+        inbound.put(service.prepare(message))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     inbound: queue.SimpleQueue = queue.SimpleQueue()
-    receiver = threading.Thread(target=receive, args=(inbox, inbound, stop), name="receiver", daemon=True)
+    receiver = threading.Thread(target=receive, args=(inbox, inbound, stop, service), name="receiver", daemon=True)
     receiver.start()
     log.info("generator %s ready on %s (mode %s, device %s)", args.instance, args.address, args.mode,
              service.device)

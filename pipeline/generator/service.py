@@ -29,6 +29,16 @@ from pipeline.processing.processor import MultimodalPrompt
 log = logging.getLogger("epd.generator")
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """Aggregated mode: a generate request whose images the receiver thread
+    already decoded, so decoding never stalls the engine thread."""
+
+    request: protocol.GenerateRequest
+    inputs: list | None
+    error: str = ""
+
+
 @dataclass
 class _Tracked:
     reply_to: str
@@ -89,8 +99,20 @@ class GeneratorService:
 
     # ------------------------------------------------------------- messages
 
-    def handle(self, message: protocol.Message) -> None:
-        if isinstance(message, protocol.GenerateRequest):
+    def prepare(self, message: protocol.Message) -> protocol.Message | PreparedRequest:
+        """Called on the receiver thread for every message: decodes the
+        images of aggregated-mode requests there."""
+        if isinstance(message, protocol.GenerateRequest) and self.decode_images is not None and message.media:
+            try:
+                return PreparedRequest(message, self.decode_images(message.media))
+            except ValueError as exc:
+                return PreparedRequest(message, None, str(exc))
+        return message
+
+    def handle(self, message: protocol.Message | PreparedRequest) -> None:
+        if isinstance(message, PreparedRequest):
+            self._on_generate(message.request, message.inputs, message.error)
+        elif isinstance(message, protocol.GenerateRequest):
             self._on_generate(message)
         elif isinstance(message, protocol.EmbeddingReady):
             self._on_embedding(message)
@@ -111,15 +133,18 @@ class GeneratorService:
         else:
             log.warning("ignoring unexpected %s", type(message).__name__)
 
-    def _on_generate(self, req: protocol.GenerateRequest) -> None:
+    def _on_generate(self, req: protocol.GenerateRequest, inputs: list | None = None, error: str = "") -> None:
         self.counters["requests"] += 1
         s = req.sampling
         try:
+            if error:
+                raise ValueError(error)
+            if self.decode_images is not None and req.image_keys and inputs is None:
+                raise ValueError("aggregated mode needs the images' bytes in the request")
             params = SamplingParams(s.max_tokens, s.min_tokens, s.temperature, s.top_k, s.top_p, s.seed,
                                     s.stop_token_ids, s.stop, s.ignore_eos)
             prompt = MultimodalPrompt(list(req.prompt_token_ids), [tuple(x) for x in req.image_spans],
                                       [tuple(g) for g in req.grids])
-            inputs = self.decode_images(req.media) if self.decode_images is not None and req.image_keys else None
             self.engine.add_request(req.request_id, prompt, list(req.image_keys), params, inputs)
         except ValueError as exc:
             self._send(req.reply_to, protocol.TokenDelta(req.request_id, (), "", True, "error", error=str(exc)))
