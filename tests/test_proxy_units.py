@@ -1,0 +1,79 @@
+"""Proxy pieces alone: routing, image URL policy, request bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import pytest
+
+from pipeline.proxy.api_types import ApiError, parse_body, stop_strings
+from pipeline.proxy.media_fetch import FetchPolicy, fetch_image
+from pipeline.proxy.routing import encoder_order, least_loaded
+
+
+def test_rendezvous_order_is_stable_and_moves_only_the_lost_encoders_hashes():
+    encoders = [f"ipc:///run/enc{i}" for i in range(4)]
+    hashes = [f"{i:032x}" for i in range(400)]
+    first = {h: encoder_order(h, encoders)[0] for h in hashes}
+    assert first == {h: encoder_order(h, list(reversed(encoders)))[0] for h in hashes}   # order-free
+    assert len(set(first.values())) == 4                                               # spread
+    survivors = encoders[1:]
+    for h in hashes:
+        new = encoder_order(h, survivors)[0]
+        if first[h] != encoders[0]:
+            assert new == first[h]                    # untouched by the loss
+        else:
+            assert new == encoder_order(h, encoders)[1]   # goes to its next choice
+
+
+def test_least_loaded_generator():
+    assert least_loaded(["a", "b", "c"], {"a": 5, "b": 2, "c": 2}) == "b"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_image_url_policy(tmp_path):
+    data = b"\x89PNG fake"
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    assert run(fetch_image(url, FetchPolicy())) == data
+    with pytest.raises(ApiError, match="base64"):
+        run(fetch_image("data:image/png,rawtext", FetchPolicy()))
+    with pytest.raises(ApiError, match="larger than"):
+        run(fetch_image(url, FetchPolicy(max_bytes=4)))
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "a.png").write_bytes(data)
+    (tmp_path / "secret.png").write_bytes(b"secret")
+    policy = FetchPolicy(allowed_dirs=(allowed,))
+    assert run(fetch_image(f"file://{allowed}/a.png", policy)) == data
+    with pytest.raises(ApiError, match="allowed folders"):
+        run(fetch_image(f"file://{allowed}/../secret.png", policy))     # no escape by ..
+    with pytest.raises(ApiError, match="allowed folders"):
+        run(fetch_image(f"file://{tmp_path}/secret.png", FetchPolicy()))
+    with pytest.raises(ApiError, match="disabled"):
+        run(fetch_image("http://example.invalid/a.png", FetchPolicy()))
+    with pytest.raises(ApiError, match="unsupported image URL scheme"):
+        run(fetch_image("gopher://x", FetchPolicy()))
+
+
+@pytest.mark.parametrize("body,fragment", [
+    (b"{\"messages\": [", "malformed JSON"),
+    (b"[1, 2]", "invalid request"),
+    (b'{"messages": "hi"}', "invalid request"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "n=1"),
+    (b'{"messages": []}', "non-empty"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', "max_tokens"),
+])
+def test_bad_bodies(body, fragment):
+    with pytest.raises(ApiError, match=fragment) as info:
+        parse_body(body, "chat")
+    assert info.value.status == 400
+
+
+def test_stop_strings():
+    assert stop_strings("x") == ("x",) and stop_strings(["a", "b"]) == ("a", "b") and stop_strings(None) == ()
+    with pytest.raises(ApiError):
+        stop_strings([""])
