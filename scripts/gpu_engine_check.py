@@ -140,6 +140,17 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, co
             times.append((time.perf_counter() - t) * 1000)
         out[f"batch{batch}_step_ms"] = float(np.median(times))
         out[f"batch{batch}_vs_floor"] = float(np.median(times)) / floor_ms
+        decode = engine.runner.decode
+        if decode is not None and decode.graphs:
+            # The captured forward alone: what is left is host work per step.
+            graph, _ = decode.graphs[max(decode.graphs)]
+            replays = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                graph.replay()
+                torch.cuda.synchronize()
+                replays.append((time.perf_counter() - t) * 1000)
+            out[f"batch{batch}_graph_replay_ms"] = float(np.median(replays))
         del engine
         torch.cuda.empty_cache()
     return out
