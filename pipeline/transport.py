@@ -9,6 +9,7 @@ host), `tcp://` for other hosts.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -17,6 +18,8 @@ import zmq
 import zmq.asyncio
 
 from pipeline import protocol
+
+log = logging.getLogger("epd.transport")
 
 # Messages waiting for a slow or absent peer are bounded, so a dead peer costs
 # bounded memory; sends past the mark raise instead of blocking the loop.
@@ -107,6 +110,16 @@ class Outbox:
         """Queue a message without waiting; raises zmq.Again when the peer's
         queue is full (it is down or far behind)."""
         self._socket(address).send(protocol.encode(message), flags=zmq.NOBLOCK, copy=False)
+
+    def try_send(self, address: str, message: protocol.Message) -> bool:
+        """send(), but a peer that cannot take the message is logged and
+        reported as False: a stage never stops because one peer is gone."""
+        try:
+            self.send(address, message)
+            return True
+        except zmq.ZMQError as exc:
+            log.warning("cannot send %s to %s: %s", type(message).__name__, address, exc)
+            return False
 
     def close(self) -> None:
         for sock in self.sockets.values():

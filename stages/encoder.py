@@ -68,7 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
                                args.max_batch_tokens)
     with ThreadPoolExecutor(args.decode_threads, "decode") as decode_pool, \
             ThreadPoolExecutor(1, "compute") as compute_pool:
-        service = EncoderService(settings, store, tower, media, image_config, outbox.send,
+        service = EncoderService(settings, store, tower, media, image_config, outbox.try_send,
                                  decode_pool, compute_pool)
         for address in args.announce_to:
             service.handle_hello(address)

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     outbox = transport.Outbox(ctx)
     try:
-        service = build_service(args, outbox.send)
+        service = build_service(args, outbox.try_send)
     except (ModelLoadError, ValueError, RuntimeError) as exc:
         print(f"stages.generator: error: {exc}", file=sys.stderr)
         return 1

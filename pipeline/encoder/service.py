@@ -16,7 +16,6 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
-import zmq
 
 from pipeline import protocol
 from pipeline.arena.index import ArenaFull, Entry, State
@@ -49,7 +48,7 @@ class _Decoded:
 class EncoderService:
     def __init__(self, settings: EncoderSettings, store: ArenaStore, tower: torch.nn.Module,
                  media: MediaBackend, image_config: ImageProcessorConfig,
-                 send: Callable[[str, protocol.Message], None],
+                 send: Callable[[str, protocol.Message], bool],
                  decode_pool: Executor, compute_pool: Executor) -> None:
         self.settings = settings
         self.store = store
@@ -84,7 +83,7 @@ class EncoderService:
         elif isinstance(message, protocol.Hello):
             self.handle_hello(message.reply_to)
         elif isinstance(message, protocol.StatsRequest):
-            self._send(message.reply_to, self.stats())
+            self.send(message.reply_to, self.stats())
         else:
             log.warning("ignoring unexpected %s", type(message).__name__)
 
@@ -97,7 +96,7 @@ class EncoderService:
         return protocol.StageStats("encoder", self.settings.encoder_id, counters, gauges, self.settings.address)
 
     def handle_hello(self, reply_to: str) -> None:
-        self._send(reply_to, self.announcement())
+        self.send(reply_to, self.announcement())
 
     def announcement(self) -> protocol.EncoderAnnounce:
         return protocol.EncoderAnnounce(self.settings.encoder_id, self.settings.address,
@@ -219,7 +218,7 @@ class EncoderService:
         ready = protocol.EmbeddingReady(job.job_id, job.request_id, entry.content_hash,
                                         self.store.handle(entry), lease.lease_id,
                                         self.settings.encoder_id, dedup)
-        if self._send(job.consumer, ready):
+        if self.send(job.consumer, ready):
             self.counters["dedup" if dedup else "encoded"] += 1
         else:
             self.store.index.release(lease.lease_id)
@@ -233,12 +232,4 @@ class EncoderService:
         self.counters["failed"] += 1
         failed = protocol.EncodeFailed(job.job_id, job.request_id, job.content_hash, reason, retryable,
                                        self.settings.encoder_id)
-        self._send(job.reply_to or job.consumer, failed)
-
-    def _send(self, address: str, message: protocol.Message) -> bool:
-        try:
-            self.send(address, message)
-            return True
-        except zmq.ZMQError as exc:
-            log.warning("cannot send %s to %s: %s", type(message).__name__, address, exc)
-            return False
+        self.send(job.reply_to or job.consumer, failed)

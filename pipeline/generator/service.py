@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import zmq
 
 from pipeline import protocol
 from pipeline.arena.reader import ArenaReader, StaleHandleError
@@ -48,7 +47,8 @@ class _Tracked:
 
 
 class GeneratorService:
-    def __init__(self, engine: Engine, address: str, device: torch.device, send: Callable,
+    def __init__(self, engine: Engine, address: str, device: torch.device,
+                 send: Callable[[str, protocol.Message], bool],
                  encoders: list[str], embedding_timeout: float = 60.0,
                  decode_images: Callable | None = None, heartbeat_interval: float = 1.0) -> None:
         self.engine = engine
@@ -71,7 +71,7 @@ class GeneratorService:
 
     def run(self, inbound: queue.SimpleQueue, stop: threading.Event) -> None:
         for address in self.encoders:
-            self._send(address, protocol.Hello(self.address, self.address))
+            self.send(address, protocol.Hello(self.address, self.address))
         while not stop.is_set():
             # Nothing runnable (no requests, or all wait on images): sleep on
             # the inbox instead of spinning the step loop.
@@ -129,7 +129,7 @@ class GeneratorService:
             for ready in pending:
                 self._on_embedding(ready)
         elif isinstance(message, protocol.StatsRequest):
-            self._send(message.reply_to, self.stats())
+            self.send(message.reply_to, self.stats())
         else:
             log.warning("ignoring unexpected %s", type(message).__name__)
 
@@ -147,7 +147,7 @@ class GeneratorService:
                                       [tuple(g) for g in req.grids])
             self.engine.add_request(req.request_id, prompt, list(req.image_keys), params, inputs)
         except ValueError as exc:
-            self._send(req.reply_to, protocol.TokenDelta(req.request_id, (), "", True, "error", error=str(exc)))
+            self.send(req.reply_to, protocol.TokenDelta(req.request_id, (), "", True, "error", error=str(exc)))
             self.counters["errors"] += 1
             return
         missing = set() if self.decode_images is not None else set(req.image_keys)
@@ -160,7 +160,7 @@ class GeneratorService:
             # An encoder we have not heard from: ask it, keep the handle (leased) meanwhile.
             self.waiting_for_arena.append(ready)
             for address in self.encoders:
-                self._send(address, protocol.Hello(self.address, self.address))
+                self.send(address, protocol.Hello(self.address, self.address))
             return
         encoder = self.encoder_addresses.get(ready.encoder_id, "")
         try:
@@ -169,7 +169,7 @@ class GeneratorService:
             self._fail_key(ready.content_hash, f"image embedding lost: {exc}")
             return
         finally:
-            self._send(encoder, protocol.ReleaseLease((ready.lease_id,), self.address))
+            self.send(encoder, protocol.ReleaseLease((ready.lease_id,), self.address))
         self.counters["embeddings"] += 1
         self.key_source[ready.content_hash] = encoder
         try:
@@ -193,7 +193,7 @@ class GeneratorService:
         self.engine.abort(request_id)
         self.counters["errors"] += 1
         if tracked is not None:
-            self._send(tracked.reply_to, protocol.TokenDelta(request_id, (), "", True, "error", error=reason))
+            self.send(tracked.reply_to, protocol.TokenDelta(request_id, (), "", True, "error", error=reason))
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()
@@ -209,7 +209,7 @@ class GeneratorService:
             return
         if output.finished:
             del self.tracked[output.request_id]
-        self._send(tracked.reply_to, protocol.TokenDelta(
+        self.send(tracked.reply_to, protocol.TokenDelta(
             output.request_id, output.new_token_ids, output.new_text, output.finished,
             output.finish_reason or "", output.num_prompt_tokens, output.num_output_tokens))
 
@@ -223,7 +223,7 @@ class GeneratorService:
                 continue
             request = self.engine.scheduler.get_request(next(iter(users)))
             length = next(s.length for s in request.image_spans if s.key == key)
-            self._send(address, protocol.FetchEmbedding(f"refetch-{key}", request.request_id, key,
+            self.send(address, protocol.FetchEmbedding(f"refetch-{key}", request.request_id, key,
                                                         self.address, length))
 
     def _heartbeat(self) -> None:
@@ -231,7 +231,7 @@ class GeneratorService:
         if now - self._last_heartbeat >= self.heartbeat_interval:
             self._last_heartbeat = now
             for address in self.encoders:
-                self._send(address, protocol.Heartbeat(self.address, time.time()))
+                self.send(address, protocol.Heartbeat(self.address, time.time()))
 
     def stats(self) -> protocol.StageStats:
         scheduler = self.engine.scheduler
@@ -243,11 +243,3 @@ class GeneratorService:
         counters = dict(self.counters, yields=scheduler.stats["yields_total"],
                         preemptions=scheduler.stats["preemptions_total"])
         return protocol.StageStats("generator", self.address, counters, gauges, self.address)
-
-    # -------------------------------------------------------------- sending
-
-    def _send(self, address: str, message: protocol.Message) -> None:
-        try:
-            self.send(address, message)
-        except zmq.ZMQError as exc:
-            log.warning("cannot send %s to %s: %s", type(message).__name__, address, exc)

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
-import zmq
 import zmq.asyncio
 
 from pipeline import protocol, transport
@@ -118,7 +117,7 @@ class Dispatcher:
         if not self.aggregated:
             for job in flight.work.jobs:
                 self._send_job(flight, job, tried=[])
-        self._send(flight.generator, flight.work.request)
+        self.outbox.try_send(flight.generator, flight.work.request)
 
     def _send_job(self, flight: Flight, job: protocol.EncodeJob, tried: list[str]) -> bool:
         order = [e for e in encoder_order(job.content_hash, self.encoders) if e not in tried]
@@ -129,14 +128,14 @@ class Dispatcher:
         flight.encoders[job.job_id] = tried + [target]
         job = protocol.EncodeJob(job.job_id, job.request_id, job.content_hash, job.media, flight.generator,
                                  job.expected_tokens, self.address)
-        self._send(target, job)
+        self.outbox.try_send(target, job)
         return True
 
     def abort(self, request_id: str) -> None:
         flight = self.flights.pop(request_id, None)
         if flight is not None:
             self.load[flight.generator] -= flight.work.cost
-            self._send(flight.generator, protocol.AbortRequest((request_id,)))
+            self.outbox.try_send(flight.generator, protocol.AbortRequest((request_id,)))
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}-{time.monotonic_ns() % 1_000_000_000}"
@@ -197,7 +196,7 @@ class Dispatcher:
     async def _watch(self) -> None:
         while True:
             for address in self.generators + ([] if self.aggregated else self.encoders):
-                self._send(address, protocol.StatsRequest(self.address))
+                self.outbox.try_send(address, protocol.StatsRequest(self.address))
             await asyncio.sleep(self.ping_interval)
             self._handle_down_stages()
 
@@ -251,9 +250,3 @@ class Dispatcher:
         flight.work.request = msgspec.structs.replace(
             request, prompt_token_ids=request.prompt_token_ids + tuple(done), sampling=sampling)
         flight.resumed_from = len(flight.token_ids)
-
-    def _send(self, address: str, message: protocol.Message) -> None:
-        try:
-            self.outbox.send(address, message)
-        except zmq.ZMQError as exc:
-            log.warning("cannot send %s to %s: %s", type(message).__name__, address, exc)
