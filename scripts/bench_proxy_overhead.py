@@ -7,7 +7,7 @@ Starts one generator and a proxy in front of it. Alternates, request by
 request: (a) a streaming chat completion through the proxy's HTTP API, timed
 from sending the request to receiving the first content chunk; (b) the same
 prompt, already tokenized, sent straight to the generator as a
-GenerateRequest over ZeroMQ, timed to the first TokenDelta. The difference of
+GenerateRequest over ZeroMQ, timed to the first TokenDelta with text. The difference of
 the medians is the proxy's added latency (HTTP, JSON, chat template,
 tokenization, one more ZeroMQ hop, SSE).
 """
@@ -53,7 +53,9 @@ def direct(out: zmq.Socket, inbox: zmq.Socket, me: str, ids: list[int], rid: str
     first = None
     while True:
         delta = protocol.decode(inbox.recv())
-        if first is None and delta.token_ids:
+        # As a client sees it: the first delta that carries text (a token that
+        # ends inside a UTF-8 character yields no text yet, in either path).
+        if first is None and (delta.text or delta.finished):
             first = time.perf_counter()
         if delta.finished:
             return first - start
