@@ -142,6 +142,8 @@ def test_store_and_reader_share_memory_and_detect_reuse(store):
     store.write(other, torch.zeros(10, 64))
     with pytest.raises(StaleHandleError):
         reader.read(handle)
+    reader.close_arena(store.info.arena_id)
+    assert not reader.is_open(store.info.arena_id)
     reader.close()
 
 

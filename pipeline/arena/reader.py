@@ -114,10 +114,15 @@ class ArenaReader:
             raise StaleHandleError(f"arena {handle.arena_id} blocks {first}-{last} were reused "
                                    f"(generation {handle.generation} expected)")
 
-    def close(self) -> None:
-        for arena in self._arenas.values():
+    def close_arena(self, arena_id: str) -> None:
+        """Unmap one arena (its producer restarted with a new one)."""
+        arena = self._arenas.pop(arena_id, None)
+        if arena is not None:
             arena.data = None
             arena.generations = None
             for segment in arena.segments:
                 segment.close()
-        self._arenas.clear()
+
+    def close(self) -> None:
+        for arena_id in list(self._arenas):
+            self.close_arena(arena_id)

@@ -63,6 +63,7 @@ class GeneratorService:
         self.tracked: dict[str, _Tracked] = {}
         self.key_source: dict[str, str] = {}     # image key -> encoder address that delivered it
         self.encoder_addresses: dict[str, str] = {}  # encoder id -> inbox address, from announcements
+        self.encoder_arenas: dict[str, str] = {}     # encoder id -> the arena it announced last
         self.waiting_for_arena: list[protocol.EmbeddingReady] = []
         self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0}
         self._last_heartbeat = 0.0
@@ -124,6 +125,10 @@ class GeneratorService:
                 self.tracked.pop(request_id, None)
         elif isinstance(message, protocol.EncoderAnnounce):
             self.encoder_addresses[message.encoder_id] = message.address
+            previous = self.encoder_arenas.get(message.encoder_id)
+            if previous is not None and previous != message.arena.arena_id:
+                self.reader.close_arena(previous)  # the encoder restarted: its old arena is gone
+            self.encoder_arenas[message.encoder_id] = message.arena.arena_id
             self.reader.open(message.arena)
             pending, self.waiting_for_arena = self.waiting_for_arena, []
             for ready in pending:
