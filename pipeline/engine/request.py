@@ -137,6 +137,17 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (the
+        runner asks for a few tokens of long requests every step)."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return prompt[start:] + self.output_token_ids[:end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -49,7 +49,7 @@ class ModelRunner:
         offset = 0
         for chunk in plan.chunks:
             request = requests[chunk.request_id]
-            ids += request.all_token_ids[chunk.start:chunk.end]
+            ids += request.token_ids_between(chunk.start, chunk.end)
             positions.append(self._positions(geometry[chunk.request_id], chunk, request.num_prompt_tokens))
             slices.append(SequenceSlice(offset, chunk.num_tokens, chunk.start, tuple(request.block_ids)))
             for span in chunk.image_spans_in_chunk:
@@ -73,7 +73,7 @@ class ModelRunner:
         reqs = [requests[c.request_id] for c in chunks]
         positions = torch.cat([self.model.decode_positions(c.start, 1, geometry[c.request_id].delta)
                                for c in chunks], dim=1)
-        return self.decode.run([r.all_token_ids[c.start] for r, c in zip(reqs, chunks)], positions,
+        return self.decode.run([r.token_ids_between(c.start, c.end)[0] for r, c in zip(reqs, chunks)], positions,
                                [r.block_ids for r in reqs], [c.start for c in chunks])
 
     def _positions(self, geometry: PromptGeometry, chunk: Chunk, prompt_len: int) -> torch.Tensor:
