@@ -169,7 +169,8 @@ class GenerateRequest(_Msg, tag="generate"):
 
 class TokenDelta(_Msg, tag="delta"):
     """What a request produced since the last delta. `error` is set when it
-    ended in failure (finish_reason "error")."""
+    ended in failure (finish_reason "error"), with `status` an HTTP status
+    saying whose fault it was (400: the request's, e.g. a bad image; 5xx: ours)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -179,6 +180,7 @@ class TokenDelta(_Msg, tag="delta"):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    status: int = 0
 
 
 class AbortRequest(_Msg, tag="abort"):

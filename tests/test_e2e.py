@@ -155,6 +155,9 @@ def test_client_aborts_leave_nothing_held(epd):
     (b"{not json", 400, "malformed JSON"),
     (json.dumps({"model": "tiny", "messages": []}).encode(), 400, "messages"),
     (json.dumps({"model": "tiny", "messages": chat_messages([b"garbage bytes"], "x")}).encode(), 400, "image 1"),
+    # A valid header but truncated pixels: caught by the encoder, still the client's error.
+    (json.dumps({"model": "tiny", "messages": chat_messages(
+        [image_bytes(random_image(200, 200, seed=77), "JPEG")[:700]], "x")}).encode(), 400, "could not be encoded"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "ftp://example/x.png"}}]}]}).encode(), 400, "unsupported image URL"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "word " * 9000}]}).encode(), 400,

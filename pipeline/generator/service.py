@@ -118,7 +118,8 @@ class GeneratorService:
         elif isinstance(message, protocol.EmbeddingReady):
             self._on_embedding(message)
         elif isinstance(message, protocol.EncodeFailed):
-            self._fail_key(message.content_hash, f"image encoding failed: {message.reason}")
+            self._fail_key(message.content_hash, f"image encoding failed: {message.reason}",
+                           500 if message.retryable else 400)
         elif isinstance(message, protocol.AbortRequest):
             for request_id in message.request_ids:
                 self.engine.abort(request_id)
@@ -152,7 +153,8 @@ class GeneratorService:
                                       [tuple(g) for g in req.grids])
             self.engine.add_request(req.request_id, prompt, list(req.image_keys), params, inputs)
         except ValueError as exc:
-            self.send(req.reply_to, protocol.TokenDelta(req.request_id, (), "", True, "error", error=str(exc)))
+            self.send(req.reply_to, protocol.TokenDelta(req.request_id, (), "", True, "error", error=str(exc),
+                                                        status=400))
             self.counters["errors"] += 1
             return
         missing = set() if self.decode_images is not None else set(req.image_keys)
@@ -180,31 +182,33 @@ class GeneratorService:
         try:
             self.engine.add_embedding(ready.content_hash, embedding)
         except ValueError as exc:
-            self._fail_key(ready.content_hash, str(exc))
+            self._fail_key(ready.content_hash, str(exc), 400)
             return
         for tracked in self.tracked.values():
             tracked.missing.discard(ready.content_hash)
 
     # ------------------------------------------------------------- failures
 
-    def _fail_key(self, key: str, reason: str) -> None:
+    def _fail_key(self, key: str, reason: str, status: int = 500) -> None:
         for request_id, tracked in list(self.tracked.items()):
             request = self.engine.scheduler.get_request(request_id)
             if request is not None and any(s.key == key for s in request.image_spans):
-                self._fail(request_id, reason)
+                self._fail(request_id, reason, status)
 
-    def _fail(self, request_id: str, reason: str) -> None:
+    def _fail(self, request_id: str, reason: str, status: int = 500) -> None:
         tracked = self.tracked.pop(request_id, None)
         self.engine.abort(request_id)
         self.counters["errors"] += 1
         if tracked is not None:
-            self.send(tracked.reply_to, protocol.TokenDelta(request_id, (), "", True, "error", error=reason))
+            self.send(tracked.reply_to, protocol.TokenDelta(request_id, (), "", True, "error", error=reason,
+                                                            status=status))
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()
         for request_id, tracked in list(self.tracked.items()):
             if tracked.missing and now > tracked.deadline:
-                self._fail(request_id, f"image embedding did not arrive within {self.embedding_timeout:g} s")
+                self._fail(request_id, f"image embedding did not arrive within {self.embedding_timeout:g} s",
+                           504)
 
     # --------------------------------------------------------------- output
 

@@ -181,12 +181,12 @@ class Dispatcher:
             log.warning("encode job %s failed on %s (%s): sent to another encoder", failed.job_id,
                         failed.encoder_id, failed.reason)
             return
-        self._fail(flight, f"image could not be encoded: {failed.reason}")
+        self._fail(flight, f"image could not be encoded: {failed.reason}", 500 if failed.retryable else 400)
 
-    def _fail(self, flight: Flight, reason: str) -> None:
+    def _fail(self, flight: Flight, reason: str, status: int) -> None:
         request_id = flight.work.request.request_id
         self.abort(request_id)
-        delta = protocol.TokenDelta(request_id, (), "", True, "error", error=reason)
+        delta = protocol.TokenDelta(request_id, (), "", True, "error", error=reason, status=status)
         if self.on_finish is not None:
             self.on_finish(flight, delta)
         flight.deltas.put_nowait(delta)
@@ -224,7 +224,7 @@ class Dispatcher:
         except ApiError as exc:
             self.flights.pop(flight.work.request.request_id, None)
             flight.deltas.put_nowait(protocol.TokenDelta(flight.work.request.request_id, (), "", True,
-                                                         "error", error=str(exc)))
+                                                         "error", error=str(exc), status=503))
             return
         log.warning("request %s moved to generator %s", flight.work.request.request_id, flight.generator)
         flight.encoders.clear()

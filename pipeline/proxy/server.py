@@ -94,8 +94,7 @@ class ProxyApp:
         try:
             first = await self._next(request, flight)
             if first.finished and first.error:
-                raise ApiError(first.error, status=400 if "image" in first.error else 500,
-                               kind="invalid_request_error" if "image" in first.error else "server_error")
+                return _error_response(first)
             if req.stream:
                 return await self._stream(request, req, rid, flight, first, chat)
             return await self._whole(request, rid, flight, first, chat)
@@ -119,7 +118,7 @@ class ProxyApp:
             last = await self._next(request, flight)
             text += last.text
         if last.error:
-            raise ApiError(last.error, status=500, kind="server_error")
+            return _error_response(last)
         body = _response(rid, self.model.model_id, text, last, chat)
         return web.json_response(body)
 
@@ -159,6 +158,13 @@ class ProxyApp:
             self.metrics.ttft.observe(flight.first_token_at - flight.created)
             if flight.tokens > 1:
                 self.metrics.tpot.observe((now - flight.first_token_at) / (flight.tokens - 1))
+
+
+def _error_response(delta: protocol.TokenDelta) -> web.Response:
+    """A request that ended in failure (already counted by the dispatcher)."""
+    status = delta.status or 500
+    error = ApiError(delta.error, status=status, kind="invalid_request_error" if status < 500 else "server_error")
+    return web.json_response(error.body(), status=status)
 
 
 def _usage(delta: protocol.TokenDelta) -> dict:

@@ -1,0 +1,200 @@
+"""Send the requests on their arrival schedule and time each stream.
+
+One aiohttp session; each request is a streaming chat completion. TTFT is the
+time to the first chunk with non-empty content, ITL the gaps between content
+chunks, E2EL the time to the end of the stream. Every failure becomes a
+record with its error text; nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import aiohttp
+
+import numpy as np
+
+from pipeline.bench.dataset import BenchRequest, RandomMMConfig, arrival_offsets, sample_requests
+from pipeline.bench.metrics import RequestRecord, summarize
+
+
+class BenchError(Exception):
+    """A problem that stops the whole benchmark (e.g. the server is unreachable)."""
+
+
+class ProtocolError(Exception):
+    """The server's stream did not look like an OpenAI chat completion stream."""
+
+
+def new_session() -> aiohttp.ClientSession:
+    # aiohttp caps a session at 100 connections by default, which would be a
+    # hidden concurrency limit; --max-concurrency is the only cap we want.
+    connector = aiohttp.TCPConnector(limit=0)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=6 * 3600))
+
+
+async def fetch_default_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        async with session.get(url) as resp:
+            if resp.status != 200:
+                raise BenchError(f"GET {url} returned HTTP {resp.status}")
+            body = await resp.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        raise BenchError(f"GET {url} failed: {exc or type(exc).__name__}") from None
+    models = body.get("data") if isinstance(body, dict) else None
+    if not models:
+        raise BenchError(f"GET {url} listed no models; pass --model")
+    return str(models[0]["id"])
+
+
+def build_payload(model: str, req: BenchRequest) -> dict:
+    content: list[dict] = [{"type": "text", "text": req.prompt}]
+    content += [{"type": "image_url", "image_url": {"url": url}} for url in req.image_urls]
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": req.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def send_request(session: aiohttp.ClientSession, base_url: str, model: str, req: BenchRequest) -> RequestRecord:
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    record = RequestRecord(success=False)
+    start = time.perf_counter()
+    try:
+        async with session.post(url, json=build_payload(model, req)) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:200].replace("\n", " ")
+                record.error = f"HTTP {resp.status}: {text}"
+                return record
+            await _read_stream(resp, record, start)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ProtocolError, ValueError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, start: float) -> None:
+    last_token_at: float | None = None
+    usage = None
+    async for raw in resp.content:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data:"):
+            continue  # blank separators, SSE comments, event names
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            break
+        now = time.perf_counter()
+        chunk = json.loads(data)
+        if not isinstance(chunk, dict):
+            raise ProtocolError(f"chunk is not an object: {data[:100]}")
+        if "error" in chunk:
+            raise ProtocolError(f"server error in stream: {json.dumps(chunk['error'])[:200]}")
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        if _chunk_text(chunk):
+            if last_token_at is None:
+                record.ttft = now - start
+            else:
+                record.itl.append(now - last_token_at)
+            last_token_at = now
+    record.e2el = time.perf_counter() - start
+    if last_token_at is None:
+        raise ProtocolError("stream ended without any content")
+    if usage is None:
+        # TPOT and throughput need real token counts; chunk counts would be a
+        # silent, wrong fallback (a chunk may carry several tokens).
+        raise ProtocolError("stream carried no usage (stream_options.include_usage unsupported?)")
+    if not isinstance(usage.get("completion_tokens"), int):
+        raise ProtocolError(f"usage has no integer completion_tokens: {json.dumps(usage)[:200]}")
+    record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    record.completion_tokens = usage["completion_tokens"]
+    record.success = True
+
+
+def _chunk_text(chunk: dict) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    delta = choices[0].get("delta") or {}
+    return delta.get("content") or ""
+
+
+class Progress:
+    """One self-overwriting status line on stderr."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True):
+        self.label, self.total, self.enabled = label, total, enabled
+        self.done = self.failed = 0
+
+    def update(self, record: RequestRecord) -> None:
+        self.done += 1
+        self.failed += not record.success
+        if self.enabled:
+            sys.stderr.write(f"\r{self.label}: {self.done}/{self.total} done, {self.failed} failed")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+async def run_load(session: aiohttp.ClientSession, base_url: str, model: str, requests: list[BenchRequest],
+                   offsets: list[float], max_concurrency: int | None,
+                   progress: Progress) -> tuple[list[RequestRecord], float]:
+    """Open loop: each request is sent at its offset whether or not earlier ones
+    finished; --max-concurrency only makes late arrivals wait for a slot.
+    Returns the records (in request order) and the run's wall duration."""
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(req: BenchRequest) -> RequestRecord:
+        if slots is None:
+            record = await send_request(session, base_url, model, req)
+        else:
+            async with slots:
+                record = await send_request(session, base_url, model, req)
+        progress.update(record)
+        return record
+
+    start = time.perf_counter()
+    tasks = []
+    for req, offset in zip(requests, offsets):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(req)))
+    records = await asyncio.gather(*tasks)
+    return list(records), time.perf_counter() - start
+
+
+async def run_sweep(base_url: str, model: str | None, dataset: RandomMMConfig, rates: list[float],
+                    burstiness: float, max_concurrency: int | None, seed: int,
+                    slos: dict[str, float], show_progress: bool = True) -> list[dict]:
+    """One result dict per rate, run one after another.
+
+    Each rate uses seed + its index, so runs see different text and images and
+    the second run is not measuring the server's caches warmed by the first.
+    """
+    results = []
+    async with new_session() as session:
+        if model is None:
+            model = await fetch_default_model(session, base_url)
+        for index, rate in enumerate(rates):
+            rng = np.random.default_rng(seed + index)
+            requests = sample_requests(dataset, rng)
+            offsets = arrival_offsets(len(requests), rate, burstiness, rng).tolist()
+            progress = Progress(f"rate {rate:g}", len(requests), show_progress)
+            records, duration = await run_load(session, base_url, model, requests, offsets,
+                                               max_concurrency, progress)
+            result = summarize(records, duration, slos)
+            # JSON has no infinity; vLLM writes the string "inf".
+            result.update(model_id=model, num_prompts=len(requests),
+                          request_rate=rate if rate != float("inf") else "inf",
+                          burstiness=burstiness, max_concurrency=max_concurrency)
+            results.append(result)
+    return results
