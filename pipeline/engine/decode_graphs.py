@@ -57,12 +57,8 @@ class DecodeGraphs:
     (batch, length) bucket is captured on first use and replayed after."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, null_block: int, max_batch: int,
-                 max_len: int, device: torch.device, use_graphs: bool, min_len: int = 256,
-                 compile_forward: bool = False) -> None:
+                 max_len: int, device: torch.device, use_graphs: bool, min_len: int = 256) -> None:
         self.model = model
-        # Optional: let torch.compile fuse the many small elementwise kernels
-        # of a decode step (norms, rotary, activations) before capture.
-        self._step = torch.compile(self._step_eager, dynamic=False) if compile_forward else self._step_eager
         self.cache = cache
         self.null_block = null_block
         self.device = device
@@ -118,12 +114,9 @@ class DecodeGraphs:
             dst.copy_(src, non_blocking=True)
 
     def _forward(self, bb: int, lb: int) -> torch.Tensor:
-        return self._step(self.token_ids[:bb], self.positions[:, :bb], self.slot_mapping[:bb],
-                          self.block_tables[:bb], self.lengths[:bb], lb)
-
-    def _step_eager(self, token_ids, positions, slot_mapping, block_tables, lengths, lb: int) -> torch.Tensor:
-        attn = GatherDecodeAttention(self.cache, slot_mapping, block_tables, lengths, lb)
-        hidden = self.model(self.model.embed(token_ids), positions, attn)
+        attn = GatherDecodeAttention(self.cache, self.slot_mapping[:bb], self.block_tables[:bb],
+                                     self.lengths[:bb], lb)
+        hidden = self.model(self.model.embed(self.token_ids[:bb]), self.positions[:, :bb], attn)
         return self.model.logits(hidden)
 
     def _capture(self, bb: int, lb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -41,7 +41,6 @@ class EngineConfig:
     # Pure-decode steps through static buffers and one batched attention per
     # layer, captured as CUDA graphs on a GPU. None: on for CUDA, off for CPU.
     fast_decode: bool | None = None
-    compile_decode: bool = False   # torch.compile the fast decode step (experimental)
 
 
 @dataclass
@@ -77,8 +76,7 @@ class Engine:
         if config.fast_decode or (config.fast_decode is None and device.type == "cuda"):
             model.fuse()
             max_len = min(text.max_position_embeddings, num_blocks * config.block_size)
-            decode = DecodeGraphs(model, kv, num_blocks, config.max_num_seqs, max_len, device, use_graphs=True,
-                                  compile_forward=config.compile_decode)
+            decode = DecodeGraphs(model, kv, num_blocks, config.max_num_seqs, max_len, device, use_graphs=True)
         self.runner = ModelRunner(model, kv, device, decode)
         self.live: dict[str, _Live] = {}
         self.pending_embeddings: dict[str, tuple[torch.Tensor, float]] = {}
