@@ -1,0 +1,253 @@
+"""epd-bench: exact metrics on hand-made records, timing against a synthetic
+SSE server with known sleeps, the arrival process, and CLI input errors."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+from PIL import Image
+
+from pipeline.bench.client import run_sweep
+from pipeline.bench.dataset import (POOL_SIZE_PER_BUCKET, RandomMMConfig, arrival_offsets,
+                                    parse_bucket_config, sample_requests)
+from pipeline.bench.metrics import RequestRecord, parse_goodput, summarize
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bin" / "epd-bench"
+
+
+def small_dataset(num_prompts: int = 8, output_len: int = 6, **overrides) -> RandomMMConfig:
+    fields = dict(num_prompts=num_prompts, input_len=20, output_len=output_len, range_ratio=0.0,
+                  base_items=1, items_range_ratio=0.0, buckets={(32, 48, 1): 1.0}, image_reuse=0.0)
+    fields.update(overrides)
+    return RandomMMConfig(**fields)
+
+
+# ---- metrics on hand-made records -------------------------------------------------
+
+def test_metrics_exact_on_hand_made_records():
+    records = [
+        RequestRecord(True, prompt_tokens=10, completion_tokens=5, ttft=0.1, itl=[0.01, 0.02, 0.03], e2el=0.3),
+        RequestRecord(True, prompt_tokens=20, completion_tokens=3, ttft=0.3, itl=[0.05], e2el=0.5),
+        RequestRecord(True, prompt_tokens=30, completion_tokens=1, ttft=0.2, itl=[], e2el=0.2),
+        RequestRecord(False, error="HTTP 500: boom"),
+    ]
+    result = summarize(records, duration=2.0, slos={"ttft": 250, "tpot": 60})
+    assert result["completed"] == 3 and result["failed"] == 1
+    assert result["errors"] == ["HTTP 500: boom"]
+    assert result["total_input_tokens"] == 60 and result["total_output_tokens"] == 9
+    assert result["request_throughput"] == pytest.approx(1.5)
+    assert result["output_throughput"] == pytest.approx(4.5)
+    assert result["mean_ttft_ms"] == pytest.approx(200.0)
+    assert result["median_ttft_ms"] == pytest.approx(200.0)
+    assert result["p90_ttft_ms"] == pytest.approx(280.0)  # linear interpolation 200..300
+    # TPOT: (0.3-0.1)/4 = 50 ms and (0.5-0.3)/2 = 100 ms; one-token request has none.
+    assert result["mean_tpot_ms"] == pytest.approx(75.0)
+    assert result["p99_tpot_ms"] == pytest.approx(99.5)
+    assert result["mean_itl_ms"] == pytest.approx(27.5)
+    assert result["median_itl_ms"] == pytest.approx(25.0)
+    assert result["mean_e2el_ms"] == pytest.approx(1000 / 3)
+    # Good: first (ttft 100, tpot 50) and third (ttft 200, no tpot); second fails ttft.
+    assert result["request_goodput"] == pytest.approx(1.0)
+
+
+def test_metrics_empty_samples_are_none_and_goodput_needs_slos():
+    result = summarize([RequestRecord(False, error="x")], duration=1.0)
+    assert result["completed"] == 0 and result["failed"] == 1
+    assert result["mean_ttft_ms"] is None and result["p99_itl_ms"] is None
+    assert result["request_goodput"] is None
+
+
+def test_parse_goodput():
+    assert parse_goodput(["ttft:200", "e2el:1500.5"]) == {"ttft": 200.0, "e2el": 1500.5}
+    for bad in (["ttft"], ["foo:1"], ["tpot:abc"], ["ttft:-1"]):
+        with pytest.raises(ValueError):
+            parse_goodput(bad)
+
+
+# ---- against a synthetic SSE server ------------------------------------------------
+
+FIRST_DELAY, GAP, NUM_CHUNKS = 0.05, 0.01, 6
+
+
+def fake_server(seen: list[dict], fail_every: int = 0) -> web.Application:
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body)
+        if fail_every and len(seen) % fail_every == 0:
+            return web.json_response({"error": {"message": "synthetic"}}, status=500)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(NUM_CHUNKS):
+            await asyncio.sleep(FIRST_DELAY if i == 0 else GAP)
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"prompt_tokens": 7, "completion_tokens": NUM_CHUNKS, "total_tokens": 7 + NUM_CHUNKS}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+async def sweep_against_fake(dataset, rates, slos, fail_every=0, max_concurrency=4):
+    seen: list[dict] = []
+    runner = web.AppRunner(fake_server(seen, fail_every))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        results = await run_sweep(f"http://127.0.0.1:{port}", None, dataset, rates, 1.0,
+                                  max_concurrency, seed=3, slos=slos, show_progress=False)
+    finally:
+        await runner.cleanup()
+    return results, seen
+
+
+def test_client_timing_against_synthetic_stream():
+    results, seen = asyncio.run(sweep_against_fake(small_dataset(), [float("inf")], {"ttft": 1000, "tpot": 500}))
+    (r,) = results
+    assert r["model_id"] == "fake-model" and r["request_rate"] == "inf" and r["max_concurrency"] == 4
+    assert r["completed"] == 8 and r["failed"] == 0
+    assert r["total_output_tokens"] == 8 * NUM_CHUNKS and r["total_input_tokens"] == 8 * 7
+    assert 50 <= r["mean_ttft_ms"] < 90
+    assert 9.5 <= r["mean_tpot_ms"] < 16
+    assert 9 <= r["median_itl_ms"] < 16
+    assert 100 <= r["mean_e2el_ms"] < 160
+    assert round(r["request_goodput"] * r["duration"]) == 8
+    body = seen[0]
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["temperature"] == 0 and body["max_tokens"] == 6
+    url = body["messages"][0]["content"][1]["image_url"]["url"]
+    image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+    assert image.format == "JPEG" and image.size == (48, 32)
+
+
+def test_goodput_failures_and_sweep():
+    dataset = small_dataset(num_prompts=8)
+    results, seen = asyncio.run(sweep_against_fake(dataset, [200.0, 400.0], {"ttft": 5}, fail_every=4))
+    assert [r["request_rate"] for r in results] == [200.0, 400.0]
+    assert len(seen) == 16
+    for r in results:
+        assert r["completed"] == 6 and r["failed"] == 2
+        assert all(err.startswith("HTTP 500") for err in r["errors"])
+        assert r["request_goodput"] == 0.0  # TTFT ~50 ms never meets a 5 ms SLO
+    # Different seeds per rate: the second run does not replay the first's prompts.
+    assert seen[0]["messages"] != seen[8]["messages"]
+
+
+# ---- workload and arrivals -----------------------------------------------------------
+
+def test_poisson_and_gamma_arrivals():
+    rng = np.random.default_rng(0)
+    gaps = np.diff(arrival_offsets(20001, 5.0, 1.0, rng))
+    assert gaps.mean() == pytest.approx(0.2, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)  # exponential: CV = 1
+    bursty = np.diff(arrival_offsets(20001, 5.0, 0.25, rng))
+    assert bursty.mean() == pytest.approx(0.2, rel=0.05)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.05)  # gamma: CV = 1/sqrt(shape)
+    assert not arrival_offsets(5, float("inf"), 1.0, rng).any()
+    first = arrival_offsets(10, 3.0, 1.0, np.random.default_rng(7))
+    assert np.array_equal(first, arrival_offsets(10, 3.0, 1.0, np.random.default_rng(7)))
+
+
+def test_request_lengths_image_counts_and_reuse():
+    cfg = small_dataset(num_prompts=200, output_len=10, range_ratio=0.5, base_items=2,
+                        items_range_ratio=0.5, image_reuse=1.0,
+                        buckets=parse_bucket_config("{(8, 8, 1): 1, (16, 8, 1): 3}"))
+    requests = sample_requests(cfg, np.random.default_rng(1))
+    assert {len(r.prompt.split()) == r.prompt_len for r in requests} == {True}
+    assert {r.prompt_len for r in requests} <= set(range(10, 31))
+    assert {r.output_len for r in requests} <= set(range(5, 16))
+    assert {len(r.image_urls) for r in requests} == {1, 2, 3}
+    urls = {u for r in requests for u in r.image_urls}
+    assert len(urls) <= 2 * POOL_SIZE_PER_BUCKET
+
+
+def test_bucket_config_normalized():
+    assert parse_bucket_config("{(4, 4, 1): 1, (8, 8, 1): 3}") == {(4, 4, 1): 0.25, (8, 8, 1): 0.75}
+    for bad in ("{(4, 4): 1}", "{(4, 4, 2): 1}", "[1]", "{(4, 4, 1): -1}", "{(4, 4, 1): 0}"):
+        with pytest.raises(ValueError):
+            parse_bucket_config(bad)
+
+
+# ---- CLI --------------------------------------------------------------------------------
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--random-mm-bucket-config", "{(64, 64, 1): 0.5"], "--random-mm-bucket-config"),
+    (["--goodput", "latency:5"], "--goodput"),
+    (["--request-rate", "2,fast"], "--request-rate"),
+    (["--image-reuse", "1.5"], "--image-reuse"),
+])
+def test_cli_bad_input_exits_2_with_one_line(args, fragment):
+    proc = run_cli("--base-url", "http://127.0.0.1:9", *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("epd-bench: error:") and fragment in lines[0]
+
+
+def test_cli_unreachable_server_exits_1():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the with-block ends: connection refused
+    proc = run_cli("--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "GET" in proc.stderr and "/v1/models" in proc.stderr
+
+
+def test_cli_end_to_end_writes_json(tmp_path):
+    # The server runs on its own loop thread so the CLI subprocess can reach it;
+    # every loop operation is submitted to that thread.
+    seen: list[dict] = []
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runner = web.AppRunner(fake_server(seen))
+
+    async def start() -> int:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner.addresses[0][1]
+
+    port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    try:
+        out = tmp_path / "r.json"
+        proc = run_cli("--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "3", "--request-rate", "50,100",
+                       "--random-input-len", "5", "--random-output-len", "4",
+                       "--random-mm-bucket-config", "{(16, 16, 1): 1.0}", "--goodput", "e2el:10000", "--json", str(out))
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())
+    assert [r["request_rate"] for r in results] == [50.0, 100.0]
+    keys = {"completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+            "request_goodput", "output_throughput", "request_rate", "max_concurrency"}
+    keys |= {f"{s}_{m}_ms" for s in ("mean", "median", "p90", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
+    for r in results:
+        assert keys <= set(r) and r["completed"] == 3 and r["failed"] == 0
+    assert "3/3 done" in proc.stderr
