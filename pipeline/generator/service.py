@@ -65,6 +65,7 @@ class GeneratorService:
         self.encoder_addresses: dict[str, str] = {}  # encoder id -> inbox address, from announcements
         self.encoder_arenas: dict[str, str] = {}     # encoder id -> the arena it announced last
         self.waiting_for_arena: list[protocol.EmbeddingReady] = []
+        self.copies: list = []   # (PendingRead, EmbeddingReady, encoder address) not yet released
         self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0}
         self._last_heartbeat = 0.0
 
@@ -78,12 +79,16 @@ class GeneratorService:
             # the inbox instead of spinning the step loop.
             idle = not self.engine.has_work() or self.engine.last_step_idle
             self._drain(inbound, block=idle)
+            self._finish_copies()
             self._expire_overdue()
             self._heartbeat()
             if self.engine.has_work():
                 for output in self.engine.step():
                     self._emit(output)
                 self._refetch()
+        for pending, _, _ in self.copies:
+            pending.wait()
+        self._finish_copies()   # give every lease back before leaving
         self.reader.close()
 
     def _drain(self, inbound: queue.SimpleQueue, block: bool) -> None:
@@ -171,12 +176,15 @@ class GeneratorService:
             return
         encoder = self.encoder_addresses.get(ready.encoder_id, "")
         try:
-            embedding = self.reader.read(ready.handle, device=self.device)
+            # Queued on this thread's stream: the forward that uses it runs after
+            # it on the same stream, so nothing here waits for the copy.
+            pending = self.reader.read_async(ready.handle, device=self.device)
         except StaleHandleError as exc:
+            self.send(encoder, protocol.ReleaseLease((ready.lease_id,), self.address))
             self._fail_key(ready.content_hash, f"image embedding lost: {exc}")
             return
-        finally:
-            self.send(encoder, protocol.ReleaseLease((ready.lease_id,), self.address))
+        self.copies.append((pending, ready, encoder))
+        embedding = pending.tensor
         self.counters["embeddings"] += 1
         self.key_source[ready.content_hash] = encoder
         try:
@@ -186,6 +194,21 @@ class GeneratorService:
             return
         for tracked in self.tracked.values():
             tracked.missing.discard(ready.content_hash)
+
+    def _finish_copies(self) -> None:
+        """Release the leases of copies that have completed (checked against
+        the arena's generations first)."""
+        still = []
+        for pending, ready, encoder in self.copies:
+            if not pending.done():
+                still.append((pending, ready, encoder))
+                continue
+            try:
+                self.reader.verify(ready.handle)
+            except StaleHandleError as exc:
+                self._fail_key(ready.content_hash, f"image embedding overwritten while copied: {exc}")
+            self.send(encoder, protocol.ReleaseLease((ready.lease_id,), self.address))
+        self.copies = still
 
     # ------------------------------------------------------------- failures
 
