@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Start EPD (1 encoder + 3 generators + the proxy) on the built-in tiny model,
-# send one chat request with an image through the OpenAI API, then stop.
+# First offline generation with bin/epd-generate on the built-in tiny model and
+# a sample image; then the same request through EPD (1 encoder + 3 generators
+# + the proxy) and the OpenAI API; then stop. Both answers are the same text.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "== bin/epd-generate (offline, no server)"
+bin/epd-generate --image examples/sample.jpg --prompt "Describe this image." --max-tokens 24 --json | tail -1
+echo "== the same request through bin/epd-launch --encoders 1 --generators 3"
 port=${PORT:-8000}
 log=$(mktemp)
 bin/epd-launch --encoders 1 --generators 3 --port "$port" >"$log" 2>&1 &
