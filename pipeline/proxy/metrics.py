@@ -56,15 +56,11 @@ class _StageCollector:
                 for outcome in ("encoded", "dedup", "failed"):
                     jobs.add_metric([s.stage, s.instance, outcome], s.counters.get(outcome, 0))
         yield jobs
-        for name, (stage, key) in _STAGE_COUNTERS.items():
-            family = CounterMetricFamily(name, key, labels=labels)
-            for s in stats:
-                if s.stage == stage:
-                    family.add_metric([s.stage, s.instance], s.counters.get(key, 0))
-            yield family
-        for name, (stage, key) in _STAGE_GAUGES.items():
-            family = GaugeMetricFamily(name, key, labels=labels)
-            for s in stats:
-                if s.stage == stage:
-                    family.add_metric([s.stage, s.instance], s.gauges.get(key, 0.0))
-            yield family
+        for kind, table, field in ((CounterMetricFamily, _STAGE_COUNTERS, "counters"),
+                                   (GaugeMetricFamily, _STAGE_GAUGES, "gauges")):
+            for name, (stage, key) in table.items():
+                family = kind(name, key, labels=labels)
+                for s in stats:
+                    if s.stage == stage:
+                        family.add_metric([s.stage, s.instance], getattr(s, field).get(key, 0))
+                yield family
