@@ -75,7 +75,8 @@ class Dispatcher:
     # ----------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+        self.inbox.listen(self._on_message)
+        self._tasks = [asyncio.create_task(self._watch())]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -142,16 +143,14 @@ class Dispatcher:
 
     # ------------------------------------------------------------ incoming
 
-    async def _receive(self) -> None:
-        while True:
-            message = await self.inbox.recv()
-            if isinstance(message, protocol.TokenDelta):
-                self._on_delta(message)
-            elif isinstance(message, protocol.EncodeFailed):
-                self._on_encode_failed(message)
-            elif isinstance(message, protocol.StageStats):
-                self.last_seen[message.address] = time.monotonic()
-                self.stats[message.address] = message
+    def _on_message(self, message: protocol.Message) -> None:
+        if isinstance(message, protocol.TokenDelta):
+            self._on_delta(message)
+        elif isinstance(message, protocol.EncodeFailed):
+            self._on_encode_failed(message)
+        elif isinstance(message, protocol.StageStats):
+            self.last_seen[message.address] = time.monotonic()
+            self.stats[message.address] = message
 
     def _on_delta(self, delta: protocol.TokenDelta) -> None:
         flight = self.flights.get(delta.request_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
@@ -17,6 +18,8 @@ from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
 
 MAX_BODY = 64 << 20
+CLIENT_CHECK_S = 1.0     # how often hung-up clients are looked for
+CLIENT_GONE = object()   # put in a request's delta queue when its client hung up
 
 
 class ProxyApp:
@@ -27,6 +30,8 @@ class ProxyApp:
         self.metrics = ProxyMetrics(dispatcher)
         dispatcher.on_finish = self._record
         self.session = None
+        self._clients: dict[str, tuple[web.Request, Flight]] = {}
+        self._client_watch: asyncio.Task | None = None
 
     def build(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
@@ -39,12 +44,15 @@ class ProxyApp:
 
     async def _start(self, app) -> None:
         self.dispatcher.start()
+        self._client_watch = asyncio.create_task(self._watch_clients())
         if self.policy.allow_http:
             import aiohttp
 
             self.session = aiohttp.ClientSession()
 
     async def _stop(self, app) -> None:
+        if self._client_watch is not None:
+            self._client_watch.cancel()
         if self.session is not None:
             await self.session.close()
         await self.dispatcher.close()
@@ -91,62 +99,80 @@ class ProxyApp:
     async def _serve(self, request: web.Request, req, work, chat: bool) -> web.StreamResponse:
         flight = self.dispatcher.submit(work)
         rid = work.request.request_id
+        self._clients[rid] = (request, flight)
         try:
-            first = await self._next(request, flight)
+            if req.stream and not work.jobs:
+                # Text only: nothing about the input can be rejected from here
+                # on, so the headers and the role chunk go out while the
+                # generator works instead of after its first token.
+                stream = await self._open_stream(request, rid, chat)
+                return await self._stream(stream, req, flight, await self._next(flight))
+            first = await self._next(flight)
             if first.finished and first.error:
-                return _error_response(first)
+                return _error_response(first)   # e.g. a bad image: a 4xx, not a broken stream
             if req.stream:
-                return await self._stream(request, req, rid, flight, first, chat)
-            return await self._whole(request, rid, flight, first, chat)
+                return await self._stream(await self._open_stream(request, rid, chat), req, flight, first)
+            return await self._whole(rid, flight, first, chat)
         except (asyncio.CancelledError, ConnectionResetError):
             self.dispatcher.abort(rid)
             self.metrics.requests.labels("aborted").inc()
             raise
+        finally:
+            self._clients.pop(rid, None)
 
-    async def _next(self, request: web.Request, flight: Flight) -> protocol.TokenDelta:
-        """The next delta; a client that went away aborts the request."""
+    async def _next(self, flight: Flight) -> protocol.TokenDelta:
+        delta = await flight.deltas.get()
+        if delta is CLIENT_GONE:
+            raise ConnectionResetError("client disconnected")
+        return delta
+
+    async def _watch_clients(self) -> None:
+        """One loop for all requests finds clients that hung up, so that
+        waiting for a delta needs no timeout (a timer per token costs)."""
         while True:
-            try:
-                return await asyncio.wait_for(flight.deltas.get(), 1.0)
-            except asyncio.TimeoutError:
+            await asyncio.sleep(CLIENT_CHECK_S)
+            for rid, (request, flight) in list(self._clients.items()):
                 if request.transport is None or request.transport.is_closing():
-                    raise ConnectionResetError("client disconnected") from None
+                    del self._clients[rid]
+                    flight.deltas.put_nowait(CLIENT_GONE)
 
-    async def _whole(self, request, rid, flight, delta, chat):
+    async def _whole(self, rid, flight, delta, chat):
         text, last = delta.text, delta
         while not last.finished:
-            last = await self._next(request, flight)
+            last = await self._next(flight)
             text += last.text
         if last.error:
             return _error_response(last)
         body = _response(rid, self.model.model_id, text, last, chat)
         return web.json_response(body)
 
-    async def _stream(self, request, req, rid, flight, delta, chat):
+    async def _open_stream(self, request, rid, chat) -> _Stream:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        created = int(time.time())
+        stream = _Stream(response, rid, self.model.model_id, int(time.time()), chat)
         if chat:
-            await _sse(response, _chunk(rid, self.model.model_id, created, {"role": "assistant", "content": ""},
-                                        None, chat))
+            await stream.send(stream.chunk({"role": "assistant", "content": ""}, None))
+        return stream
+
+    async def _stream(self, stream: _Stream, req, flight, delta):
         while True:
             if delta.error:
-                await _sse(response, {"error": {"message": delta.error, "type": "server_error", "code": 500}})
+                await stream.send({"error": {"message": delta.error, "type": "server_error",
+                                             "code": delta.status or 500}})
                 break
             if delta.text or delta.finished:
-                payload = {"content": delta.text} if chat else delta.text
-                await _sse(response, _chunk(rid, self.model.model_id, created, payload,
-                                            delta.finish_reason or None, chat))
+                payload = {"content": delta.text} if stream.chat else delta.text
+                await stream.send(stream.chunk(payload, delta.finish_reason or None))
             if delta.finished:
                 if req.stream_options is not None and req.stream_options.include_usage:
-                    usage = _chunk(rid, self.model.model_id, created, None, None, chat)
+                    usage = stream.chunk(None, None)
                     usage["choices"], usage["usage"] = [], _usage(delta)
-                    await _sse(response, usage)
+                    await stream.send(usage)
                 break
-            delta = await self._next(request, flight)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+            delta = await self._next(flight)
+        await stream.response.write(b"data: [DONE]\n\n")
+        await stream.response.write_eof()
+        return stream.response
 
     def _record(self, flight: Flight, delta: protocol.TokenDelta) -> None:
         now = time.monotonic()
@@ -182,18 +208,24 @@ def _response(rid, model_id, text, last, chat) -> dict:
             "model": model_id, "choices": [choice], "usage": _usage(last)}
 
 
-def _chunk(rid, model_id, created, payload, finish_reason, chat) -> dict:
-    choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-    if chat:
-        choice["delta"] = payload or {}
-    else:
-        choice["text"] = payload or ""
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model_id, "choices": [choice]}
+@dataclass
+class _Stream:
+    """One server-sent-events response and what every chunk of it repeats."""
 
+    response: web.StreamResponse
+    rid: str
+    model_id: str
+    created: int
+    chat: bool
 
-async def _sse(response: web.StreamResponse, body: dict) -> None:
-    await response.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
+    def chunk(self, payload, finish_reason) -> dict:
+        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.chat:
+            choice["delta"] = payload or {}
+        else:
+            choice["text"] = payload or ""
+        return {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model_id, "choices": [choice]}
 
-
-
+    async def send(self, body: dict) -> None:
+        await self.response.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
