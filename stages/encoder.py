@@ -24,8 +24,8 @@ from pipeline.arena.store import ArenaStore
 from pipeline.encoder.service import EncoderService, EncoderSettings
 from pipeline.media.registry import create_backend
 from pipeline.models.errors import ModelLoadError
-from pipeline.models.loader import load_model, resolve_device
-from pipeline.models.tiny import default_model_dir
+from pipeline.models.loader import resolve_device
+from pipeline.models.stage_model import add_random_weights_flag, load_stage_model, stage_model_dir
 from pipeline.processing.image import ImageProcessorConfig
 
 log = logging.getLogger("epd.encoder")
@@ -36,6 +36,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--address", required=True, help="inbox address to bind (ipc:// or tcp://)")
     p.add_argument("--instance", default="encoder-0", help="stable name of this stage (shm cleanup, ids)")
     p.add_argument("--model", type=Path, help="checkpoint folder (default: the built-in tiny model)")
+    add_random_weights_flag(p)
     p.add_argument("--model-id", help="name used to salt content hashes (default: the folder name)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -57,8 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    model_dir = args.model or default_model_dir()
-    tower = load_model(model_dir, dtype=dtype, device=str(device), part="visual").model
+    model_dir = stage_model_dir(args.model, args.random_weights)
+    tower = load_stage_model(model_dir, args.random_weights, dtype, device, part="visual")
     image_config = ImageProcessorConfig.from_checkpoint(model_dir)
     media = create_backend(args.media_backend, device)
     store = ArenaStore(args.arena_mib << 20, args.block_kib << 10, device, args.instance, args.lease_timeout)

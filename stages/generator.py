@@ -24,8 +24,8 @@ from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.generator.service import GeneratorService
 from pipeline.media.registry import create_backend
 from pipeline.models.errors import ModelLoadError
-from pipeline.models.loader import load_model, resolve_device
-from pipeline.models.tiny import default_model_dir
+from pipeline.models.loader import resolve_device
+from pipeline.models.stage_model import add_random_weights_flag, load_stage_model, stage_model_dir
 from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
 from pipeline.processing.tokenizer import Tokenizer
 
@@ -37,6 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--address", required=True, help="inbox address to bind (ipc:// or tcp://)")
     p.add_argument("--instance", default="generator-0")
     p.add_argument("--model", type=Path, help="checkpoint folder (default: the built-in tiny model)")
+    add_random_weights_flag(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--mode", choices=("epd", "aggregated"), default="epd")
@@ -60,9 +61,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def build_service(args: argparse.Namespace, send) -> GeneratorService:
     device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    model_dir = args.model or default_model_dir()
-    model = load_model(model_dir, dtype=dtype, device=str(device)).model
+    model_dir = stage_model_dir(args.model, args.random_weights)
     aggregated = args.mode == "aggregated"
+    model = load_stage_model(model_dir, args.random_weights, dtype, device,
+                             part=None if aggregated else "language")
     config = EngineConfig(args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
                           args.kv_cache_mib << 20, args.encoder_cache_tokens, aggregated,
                           args.local_encode_tokens)

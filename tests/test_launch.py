@@ -118,7 +118,23 @@ def test_dtype_and_stage_args_pass_through_in_order():
     assert "--dtype" not in roles["proxy"][0].args
 
 
+def test_random_weights_reach_the_model_stages_and_the_folder_every_stage():
+    folder = Path("/cache/epd/qwen2.5-vl-3b-v1")
+    opts = options(model=None, random_weights="qwen2.5-vl-3b", encoders=1, generators=1)
+    specs = plan_stages(opts, HostFacts(gpu_count=2, builtin_model=folder))
+    assert [s.device for s in specs] == ["cuda:0", "cuda:1", "cpu"]  # auto: a real-size shape uses GPUs
+    roles = by_role(specs)
+    for spec in roles["encoder"] + roles["generator"]:
+        assert flag_values(spec.args, "--random-weights") == ["qwen2.5-vl-3b"]
+    assert "--random-weights" not in roles["proxy"][0].args
+    assert all(flag_values(s.args, "--model") == [str(folder)] for s in specs)
+    assert flag_values(roles["proxy"][0].args, "--model-id") == ["qwen2.5-vl-3b-v1"]
+
+
 @pytest.mark.parametrize("overrides, message", [
+    (dict(random_weights="qwen-99b"), "--random-weights must be one of"),
+    (dict(random_weights="qwen2.5-vl-3b"), "--model cannot be combined with --random-weights"),
+    (dict(stage_args=(("encoder", "--random-weights=qwen2.5-vl-3b"),)), "--random-weights is set by the launcher"),
     (dict(encoders=0), "--encoders must be at least 1 in epd mode"),
     (dict(encoders=1, mode="aggregated"), "--encoders must be 0 with --mode aggregated"),
     (dict(generators=0), "--generators must be at least 1"),

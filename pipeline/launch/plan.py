@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.models.shape_configs import SHAPES
 from pipeline.transport import ipc_address
 
 ROLES = ("encoder", "generator", "proxy")
@@ -26,9 +27,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Flags the plan sets itself. Passing one through --stage-arg would silently
 # win over the plan (argparse keeps the last value), e.g. two stages on one GPU.
 MANAGED_FLAGS = {
-    "encoder": frozenset({"--address", "--instance", "--model", "--model-id", "--device", "--dtype"}),
+    "encoder": frozenset({"--address", "--instance", "--model", "--model-id", "--device", "--dtype",
+                          "--random-weights"}),
     "generator": frozenset({"--address", "--instance", "--model", "--device", "--dtype", "--mode",
-                            "--encoders"}),
+                            "--encoders", "--random-weights"}),
     "proxy": frozenset({"--host", "--port", "--address", "--model", "--model-id", "--encoders",
                         "--generators", "--mode"}),
 }
@@ -59,6 +61,7 @@ class LaunchOptions:
     gpus: tuple[int, ...] | None = None  # None: every visible GPU
     stage_args: tuple[tuple[str, str], ...] = ()  # (role, extra flag) in order
     python: str = sys.executable
+    random_weights: str | None = None  # a shape name: random weights, the shape's weightless folder
 
     def __post_init__(self) -> None:
         _check_choice("--mode", self.mode, MODES)
@@ -78,8 +81,17 @@ class LaunchOptions:
         if self.model_id is not None and not self.model_id.strip():
             raise LaunchError("--model-id must not be empty")
         self._check_gpus()
+        self._check_random_weights()
         for role, arg in self.stage_args:
             _check_stage_arg(role, arg)
+
+    def _check_random_weights(self) -> None:
+        if self.random_weights is None:
+            return
+        _check_choice("--random-weights", self.random_weights, tuple(SHAPES))
+        if self.model is not None:
+            raise LaunchError("--model cannot be combined with --random-weights: "
+                              "the shape's weightless folder is every stage's model")
 
     def _check_gpus(self) -> None:
         if self.gpus is None:
@@ -95,7 +107,9 @@ class LaunchOptions:
 @dataclass(frozen=True)
 class HostFacts:
     gpu_count: int
-    builtin_model: Path | None = None  # needed only when LaunchOptions.model is None
+    # The built-in tiny model, or the shape's folder with --random-weights;
+    # needed only when LaunchOptions.model is None.
+    builtin_model: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,7 @@ def plan_stages(options: LaunchOptions, facts: HostFacts) -> list[StageSpec]:
     env = dict(CUDA_ENV) if any(d.startswith("cuda") for d in devices) else {}
     extra = {role: tuple(arg for r, arg in options.stage_args if r == role) for role in ROLES}
     dtype = ("--dtype", options.dtype) if options.dtype else ()
+    weights = ("--random-weights", options.random_weights) if options.random_weights else ()
     encoders = [f"encoder-{i}" for i in range(options.encoders)]
     generators = [f"generator-{i}" for i in range(options.generators)]
     address = {name: ipc_address(name, options.run_dir) for name in [*encoders, *generators, "proxy"]}
@@ -135,11 +150,12 @@ def plan_stages(options: LaunchOptions, facts: HostFacts) -> list[StageSpec]:
     specs = []
     for name, device in zip(encoders, devices):
         args = ("--address", address[name], "--instance", name, "--model", str(model),
-                "--model-id", model_id, "--device", device, *dtype, *extra["encoder"])
+                "--model-id", model_id, "--device", device, *dtype, *weights, *extra["encoder"])
         specs.append(_spec(options, "encoder", name, address[name], device, args, env))
     for name, device in zip(generators, devices[len(encoders):]):
         args = ("--address", address[name], "--instance", name, "--model", str(model),
-                "--device", device, *dtype, "--mode", options.mode, *to_encoders, *extra["generator"])
+                "--device", device, *dtype, *weights, "--mode", options.mode, *to_encoders,
+                *extra["generator"])
         specs.append(_spec(options, "generator", name, address[name], device, args, env))
     args = ("--host", options.host, "--port", str(options.port), "--address", address["proxy"],
             "--model", str(model), "--model-id", model_id, "--mode", options.mode, *to_encoders,
@@ -186,15 +202,20 @@ def http_url(host: str, port: int, path: str, *, for_client: bool = False) -> st
 
 def host_facts(options: LaunchOptions) -> HostFacts:
     """Look at the host only as far as the options need: torch is imported
-    only when GPUs may be used, the tiny model is written only when served."""
+    only when GPUs may be used, the tiny model (or the random shape's folder)
+    is written only when served."""
     gpu_count = 0
     if options.device == "cuda" or options.gpus is not None or (
-            options.device == "auto" and options.model is not None):
+            options.device == "auto" and _names_a_real_model(options)):
         import torch
 
         gpu_count = torch.cuda.device_count()
     builtin = None
-    if options.model is None:
+    if options.random_weights is not None:
+        from pipeline.models.shape_folder import shape_model_dir
+
+        builtin = shape_model_dir(options.random_weights)
+    elif options.model is None:
         from pipeline.models.tiny import default_model_dir
 
         builtin = default_model_dir()
@@ -207,8 +228,12 @@ def _uses_cuda(options: LaunchOptions, facts: HostFacts) -> bool:
     if options.device == "cpu":
         return False
     # auto: the built-in tiny model is a CPU smoke test; a real checkpoint
-    # goes to the GPUs when there are any.
-    return options.model is not None and facts.gpu_count > 0
+    # (or a real-size random shape) goes to the GPUs when there are any.
+    return _names_a_real_model(options) and facts.gpu_count > 0
+
+
+def _names_a_real_model(options: LaunchOptions) -> bool:
+    return options.model is not None or options.random_weights is not None
 
 
 def _spec(options: LaunchOptions, role: str, name: str, address: str, device: str,
