@@ -53,8 +53,9 @@ def percentiles(samples_ns: list[int]) -> dict[str, float]:
 
 # ------------------------------------------------------------- arena path
 
-def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: int) -> None:
+def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: int, lane_path: str) -> None:
     from pipeline.arena.store import ArenaStore
+    from pipeline.lane import LaneSender
 
     torch.cuda.set_device(0)
     store = ArenaStore(512 << 20, 64 << 10, torch.device("cuda:0"), f"bench-{os.getpid()}", 60.0)
@@ -62,6 +63,7 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
     inbox, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.bind(address)
     out.connect(consumer)
+    lane = LaneSender() if lane_path else None
     out.send(protocol.encode(protocol.EncoderAnnounce("bench", address, "bench", store.info, {"image": WIDTH})))
     try:
         for mib in sizes:
@@ -79,7 +81,8 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
                 t_stored = time.perf_counter_ns()
                 ready = protocol.EmbeddingReady(f"{mib}:{i}:{t0}:{t_stored}", "r", entry.content_hash,
                                                 store.handle(entry), lease.lease_id, "bench")
-                out.send(protocol.encode(ready))
+                if lane is None or not lane.send(lane_path, ready):
+                    out.send(protocol.encode(ready))
                 release = protocol.decode(inbox.recv())
                 store.index.release(release.lease_ids[0])
                 store.index.evict(entry.content_hash)  # keep the arena from filling
@@ -91,24 +94,38 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
         store.close()
 
 
-def consumer(address: str, producer_address: str, device: str, checks: int, spin: bool) -> dict:
+def consumer(address: str, producer_address: str, device: str, checks: int, spin: bool, lane_path: str,
+             copy: str) -> dict:
+    from pipeline.arena import cuda_copy
     from pipeline.arena.reader import ArenaReader
+    from pipeline.lane import LaneReceiver
 
     torch.cuda.set_device(torch.device(device))
+    if copy == "torch":
+        cuda_copy.runtime = lambda: None   # Tensor.copy_, for comparison
     ctx = zmq.Context()
     inbox, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.bind(address)
     out.connect(producer_address)
     reader = ArenaReader()
+    lane = LaneReceiver(lane_path) if lane_path else None
+    # As the generator's receiver thread waits: one poll over the inbox and the lane.
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    if lane is not None:
+        poller.register(lane.fileno(), zmq.POLLIN)
+    queued: list = []
 
     def recv():
-        if not spin:
-            return protocol.decode(inbox.recv())
-        while True:
+        while not queued:
+            if lane is not None:
+                queued.extend(lane.recv_ready())
             try:
-                return protocol.decode(inbox.recv(zmq.NOBLOCK))
+                queued.append(protocol.decode(inbox.recv(zmq.NOBLOCK)))
             except zmq.Again:
-                pass
+                if not queued and not spin:
+                    poller.poll()
+        return queued.pop(0)
 
     announce = recv()
     t = time.perf_counter_ns()
@@ -145,6 +162,8 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
         else:
             result.setdefault("parts", {}).setdefault(mib, {})[part] = stats["p50_us"]
     reader.close()
+    if lane is not None:
+        lane.close()
     inbox.close()
     out.close()
     ctx.term()
@@ -196,16 +215,18 @@ def run_torch_ipc(sizes: list[int], iters: int, device: str) -> dict:
 
 # ------------------------------------------------------------------- main
 
-def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool) -> dict:
+def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool, lane: bool, copy: str) -> dict:
     run_dir = Path(f"/tmp/epd-bench-{os.getpid()}")
     run_dir.mkdir(exist_ok=True)
     p_addr, c_addr = f"ipc://{run_dir}/p.sock", f"ipc://{run_dir}/c.sock"
+    lane_path = f"{run_dir}/c.lane" if lane else ""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    cons = ctx.Process(target=_consumer_entry, args=(c_addr, p_addr, device, checks, spin, results))
+    cons = ctx.Process(target=_consumer_entry, args=(c_addr, p_addr, device, checks, spin, lane_path, copy,
+                                                     results))
     cons.start()
     time.sleep(1.0)  # the consumer binds first
-    prod = ctx.Process(target=producer, args=(p_addr, c_addr, sizes, iters, checks))
+    prod = ctx.Process(target=producer, args=(p_addr, c_addr, sizes, iters, checks, lane_path))
     prod.start()
     out = results.get(timeout=600)
     prod.join(timeout=60)
@@ -215,8 +236,8 @@ def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool
     return out
 
 
-def _consumer_entry(c_addr, p_addr, device, checks, spin, results):
-    results.put(consumer(c_addr, p_addr, device, checks, spin))
+def _consumer_entry(c_addr, p_addr, device, checks, spin, lane_path, copy, results):
+    results.put(consumer(c_addr, p_addr, device, checks, spin, lane_path, copy))
 
 
 def main() -> int:
@@ -226,14 +247,20 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--checks", type=int, default=16, help="handoffs checked for equality per size")
     parser.add_argument("--spin", action="store_true", help="consumer busy-polls its socket")
+    parser.add_argument("--lane", action="store_true", help="ready messages over the Unix datagram lane")
+    parser.add_argument("--copy", choices=("raw", "torch"), default="raw",
+                        help="consumer copy: raw cudaMemcpyAsync, or Tensor.copy_")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_mib.split(",")]
     device = f"cuda:{args.consumer_device}"
-    arena = run_arena(sizes, args.iters, device, args.checks, args.spin)
+    arena = run_arena(sizes, args.iters, device, args.checks, args.spin, args.lane, args.copy)
     baseline = run_torch_ipc(sizes, max(200, args.iters // 4), device)
     report = {"device": torch.cuda.get_device_name(0), "consumer": device, "spin": args.spin,
+              "lane": args.lane, "copy": args.copy,
               "arena": arena, "torch_ipc": baseline}
+    print(f"message over {'the Unix lane' if args.lane else 'zmq'}, copy {args.copy}, "
+          f"{'busy-polling' if args.spin else 'blocking'} consumer")
     print(f"producer cuda:0 -> consumer {device}; arena opened once in {arena['open_ms']:.1f} ms; "
           f"equality mismatches: {arena['mismatches']}")
     print(f"{'size':>6} {'arena p50':>10} {'arena p99':>10} {'torch p50':>10} {'torch p99':>10} {'p50 ratio':>9}")

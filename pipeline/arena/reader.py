@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.arena import cuda_ipc
+from pipeline.arena import cuda_copy, cuda_ipc
 from pipeline.arena.dtypes import dtype_from_name
 from pipeline.arena.shm import ShmSegment
 from pipeline.protocol import ArenaHandle, ArenaInfo
@@ -93,11 +93,16 @@ class ArenaReader:
         elif tuple(out.shape) != tuple(handle.shape) or out.dtype != dtype_from_name(handle.dtype):
             raise ValueError(f"output {tuple(out.shape)} {out.dtype} does not fit handle "
                              f"{handle.shape} {handle.dtype}")
-        out.view(-1).view(torch.uint8).copy_(source, non_blocking=True)
-        event = None
-        if out.is_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(out.device))
+        target = out.view(-1).view(torch.uint8)
+        if not out.is_cuda:
+            target.copy_(source)
+            return PendingRead(out, None)
+        if source.is_cuda:
+            cuda_copy.copy_bytes(target, source)
+        else:
+            target.copy_(source, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(out.device))
         return PendingRead(out, event)
 
     def verify(self, handle: ArenaHandle) -> None:
