@@ -199,6 +199,10 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     (["--goodput", "latency:5"], "--goodput"),
     (["--request-rate", "2,fast"], "--request-rate"),
     (["--image-reuse", "1.5"], "--image-reuse"),
+    (["--request-rate", "search:1"], "search:LOW:HIGH"),
+    (["--request-rate", "search:8:2", "--goodput", "ttft:5"], "0 < LOW < HIGH"),
+    (["--request-rate", "search:1:8"], "needs --goodput"),
+    (["--request-rate", "search:1:8", "--goodput", "ttft:5", "--goodput-target", "1.5"], "--goodput-target"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(args, fragment):
     proc = run_cli("--base-url", "http://127.0.0.1:9", *args)
@@ -217,9 +221,10 @@ def test_cli_unreachable_server_exits_1():
     assert "GET" in proc.stderr and "/v1/models" in proc.stderr
 
 
-def test_cli_end_to_end_writes_json(tmp_path):
-    # The server runs on its own loop thread so the CLI subprocess can reach it;
-    # every loop operation is submitted to that thread.
+@pytest.fixture
+def fake_endpoint():
+    """The synthetic server on a loop thread of its own, so a CLI subprocess
+    can reach it; every loop operation is submitted to that thread."""
     seen: list[dict] = []
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -233,15 +238,23 @@ def test_cli_end_to_end_writes_json(tmp_path):
 
     port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
     try:
-        out = tmp_path / "r.json"
-        proc = run_cli("--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "3", "--request-rate", "50,100",
-                       "--random-input-len", "5", "--random-output-len", "4",
-                       "--random-mm-bucket-config", "{(16, 16, 1): 1.0}", "--goodput", "e2el:10000", "--json", str(out))
+        yield f"http://127.0.0.1:{port}", seen
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
+
+
+SMALL_WORKLOAD = ("--random-input-len", "5", "--random-output-len", "4", "--random-mm-bucket-config",
+                  "{(16, 16, 1): 1.0}")
+
+
+def test_cli_end_to_end_writes_json(tmp_path, fake_endpoint):
+    base_url, _ = fake_endpoint
+    out = tmp_path / "r.json"
+    proc = run_cli("--base-url", base_url, "--num-prompts", "3", "--request-rate", "50,100", *SMALL_WORKLOAD,
+                   "--goodput", "e2el:10000", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     results = json.loads(out.read_text())
     assert [r["request_rate"] for r in results] == [50.0, 100.0]
@@ -250,4 +263,33 @@ def test_cli_end_to_end_writes_json(tmp_path):
     keys |= {f"{s}_{m}_ms" for s in ("mean", "median", "p90", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
     for r in results:
         assert keys <= set(r) and r["completed"] == 3 and r["failed"] == 0
+        assert r["slo_attainment"] == 1.0
     assert "3/3 done" in proc.stderr
+
+
+@pytest.mark.parametrize("ttft_slo, passes", [("1000", True), ("5", False)])
+def test_cli_goodput_search_writes_steps_and_plot(tmp_path, fake_endpoint, ttft_slo, passes):
+    # The synthetic server's TTFT is ~50 ms at any load: a 1 s SLO passes at
+    # every rate (the answer sits at HIGH), a 5 ms SLO at none.
+    base_url, seen = fake_endpoint
+    out, png = tmp_path / "search.json", tmp_path / "search.png"
+    proc = run_cli("--base-url", base_url, "--request-rate", "search:20:80", "--search-steps", "3",
+                   "--search-step-s", "0.1", "--num-prompts", "12", *SMALL_WORKLOAD, "--goodput",
+                   f"ttft:{ttft_slo}", "--json", str(out), "--plot", str(png), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(out.read_text())
+    steps = found["steps"]
+    assert [s["passed"] for s in steps] == [passes] * 3
+    assert [s["num_prompts"] for s in steps] == [s_prompts(s["request_rate"]) for s in steps]
+    assert len(seen) == sum(s["num_prompts"] for s in steps)
+    assert found["search"]["target"] == 0.9 and "partial" not in found
+    if passes:
+        assert found["at_bound"] == "high" and found["max_request_rate"] == pytest.approx(20 * 4 ** (7 / 8))
+    else:
+        assert found["at_bound"] == "low" and found["max_request_rate"] is None
+    assert proc.stderr.count("epd-bench: step ") == 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def s_prompts(rate: float) -> int:
+    return min(12, max(10, round(rate * 0.1)))

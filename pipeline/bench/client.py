@@ -12,6 +12,9 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import aiohttp
 
@@ -172,29 +175,49 @@ async def run_load(session: aiohttp.ClientSession, base_url: str, model: str, re
     return list(records), time.perf_counter() - start
 
 
-async def run_sweep(base_url: str, model: str | None, dataset: RandomMMConfig, rates: list[float],
-                    burstiness: float, max_concurrency: int | None, seed: int,
-                    slos: dict[str, float], show_progress: bool = True) -> list[dict]:
-    """One result dict per rate, run one after another.
+class BenchRunner:
+    """One HTTP session and model for many runs: a sweep's rates or a search's steps."""
 
-    Each rate uses seed + its index, so runs see different text and images and
-    the second run is not measuring the server's caches warmed by the first.
-    """
-    results = []
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, dataset: RandomMMConfig,
+                 burstiness: float, max_concurrency: int | None, seed: int, slos: dict[str, float],
+                 show_progress: bool = True):
+        self.session, self.base_url, self.model, self.dataset = session, base_url, model, dataset
+        self.burstiness, self.max_concurrency, self.seed = burstiness, max_concurrency, seed
+        self.slos, self.show_progress = slos, show_progress
+
+    async def measure(self, rate: float, index: int, num_prompts: int | None = None) -> dict:
+        """One run at `rate`. Run `index` uses seed + index, so later runs see
+        different text and images and do not measure caches warmed earlier."""
+        dataset = self.dataset if num_prompts is None else replace(self.dataset, num_prompts=num_prompts)
+        rng = np.random.default_rng(self.seed + index)
+        requests = sample_requests(dataset, rng)
+        offsets = arrival_offsets(len(requests), rate, self.burstiness, rng).tolist()
+        progress = Progress(f"rate {rate:g}", len(requests), self.show_progress)
+        records, duration = await run_load(self.session, self.base_url, self.model, requests, offsets,
+                                           self.max_concurrency, progress)
+        result = summarize(records, duration, self.slos)
+        # JSON has no infinity; vLLM writes the string "inf".
+        result.update(model_id=self.model, num_prompts=len(requests),
+                      request_rate=rate if rate != float("inf") else "inf",
+                      burstiness=self.burstiness, max_concurrency=self.max_concurrency)
+        return result
+
+
+@asynccontextmanager
+async def bench_runner(base_url: str, model: str | None, dataset: RandomMMConfig, burstiness: float,
+                       max_concurrency: int | None, seed: int, slos: dict[str, float],
+                       show_progress: bool = True) -> AsyncIterator[BenchRunner]:
     async with new_session() as session:
         if model is None:
             model = await fetch_default_model(session, base_url)
-        for index, rate in enumerate(rates):
-            rng = np.random.default_rng(seed + index)
-            requests = sample_requests(dataset, rng)
-            offsets = arrival_offsets(len(requests), rate, burstiness, rng).tolist()
-            progress = Progress(f"rate {rate:g}", len(requests), show_progress)
-            records, duration = await run_load(session, base_url, model, requests, offsets,
-                                               max_concurrency, progress)
-            result = summarize(records, duration, slos)
-            # JSON has no infinity; vLLM writes the string "inf".
-            result.update(model_id=model, num_prompts=len(requests),
-                          request_rate=rate if rate != float("inf") else "inf",
-                          burstiness=burstiness, max_concurrency=max_concurrency)
-            results.append(result)
-    return results
+        yield BenchRunner(session, base_url, model, dataset, burstiness, max_concurrency, seed, slos,
+                          show_progress)
+
+
+async def run_sweep(base_url: str, model: str | None, dataset: RandomMMConfig, rates: list[float],
+                    burstiness: float, max_concurrency: int | None, seed: int,
+                    slos: dict[str, float], show_progress: bool = True) -> list[dict]:
+    """One result dict per rate, run one after another."""
+    async with bench_runner(base_url, model, dataset, burstiness, max_concurrency, seed, slos,
+                            show_progress) as runner:
+        return [await runner.measure(rate, index) for index, rate in enumerate(rates)]

@@ -96,7 +96,11 @@ def summarize(records: list[RequestRecord], duration: float, slos: dict[str, flo
         "output_throughput": output_tokens / duration,
     }
     if slos:
-        result["request_goodput"] = sum(is_good(r, slos) for r in done) / duration
+        good = sum(is_good(r, slos) for r in done)
+        result["request_goodput"] = good / duration
+        # Not a vLLM key: the fraction of sent requests that met every SLO
+        # (failures are misses), which the goodput search compares to its target.
+        result["slo_attainment"] = good / len(records) if records else None
     result.update(_stats("ttft", [r.ttft for r in done]))
     result.update(_stats("tpot", [r.tpot for r in done if r.tpot is not None]))
     result.update(_stats("itl", [gap for r in done for gap in r.itl]))

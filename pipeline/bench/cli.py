@@ -1,0 +1,182 @@
+"""bin/epd-bench: open-loop load generator for an OpenAI-compatible chat endpoint.
+
+Flags follow vLLM's `vllm bench serve` where the meaning is the same. Prints
+one JSON result per request rate on stdout; --json also writes them to a file
+(an object for one rate, a list for a sweep like --request-rate 2,4,8, and
+for a goodput search, --request-rate search:LOW:HIGH, an object with every
+step and the maximum found, rewritten after each step so an interrupted
+search keeps what it measured). --plot draws P99 TTFT and TPOT against rate.
+Bad arguments exit 2 and an unreachable server exits 1, each with one line
+on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from pipeline.bench.client import BenchError, bench_runner, run_sweep
+from pipeline.bench.dataset import RandomMMConfig, parse_bucket_config
+from pipeline.bench.metrics import parse_goodput
+from pipeline.bench.search import DEFAULT_TARGET, SearchSettings, parse_search, search_max_goodput
+
+# A search step sends at least this many requests, so attainment is a fraction of something.
+MIN_STEP_PROMPTS = 10
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # The default prints the whole usage block; one line is easier to read in logs.
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--request-rate {text!r} must be a number, inf, a comma list like 2,4,8, "
+                         "or search:LOW:HIGH") from None
+    if not all(rate > 0 for rate in rates):
+        raise ValueError(f"--request-rate {text!r}: every rate must be > 0")
+    return rates
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="epd-bench", description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name (default: first id from GET /v1/models)")
+    p.add_argument("--dataset-name", choices=("random-mm",), default="random-mm")
+    p.add_argument("--num-prompts", type=int, default=100, help="per rate; a search step's upper bound")
+    p.add_argument("--request-rate", default="inf",
+                   help="requests/s, inf, a sweep like 2,4,8, or search:LOW:HIGH for the maximum goodput")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of gaps; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    p.add_argument("--random-input-len", type=int, default=1024, help="text length in words (~tokens)")
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-mm-base-items-per-request", type=int, default=1)
+    p.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-mm-bucket-config", default="{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}",
+                   help="Python dict {(H, W, 1): probability}")
+    p.add_argument("--image-reuse", type=float, default=0.0,
+                   help="fraction of images taken from a small shared pool (exercises dedup)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--goodput-target", type=float, default=DEFAULT_TARGET, metavar="FRACTION",
+                   help="search: a step passes when this fraction of its requests meets every SLO "
+                   "(0.9 as DistServe's SLO attainment; 0.99 for SLOs on P99)")
+    p.add_argument("--search-steps", type=int, default=6, help="search: most steps")
+    p.add_argument("--search-step-s", type=float, metavar="S",
+                   help="search: a step sends rate*S requests (at least 10, at most --num-prompts)")
+    p.add_argument("--search-budget-s", type=float, metavar="S",
+                   help="search: start no step that would likely end after S seconds")
+    p.add_argument("--search-resolution", type=float, default=0.05, help="search: stop at HIGH/LOW <= 1+this")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="draw P99 TTFT and TPOT against request rate")
+    p.add_argument("--plot-label", help="legend label of this run (default: the model id)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    return p
+
+
+def build_dataset(args: argparse.Namespace) -> RandomMMConfig:
+    return RandomMMConfig(
+        args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+        args.random_mm_base_items_per_request, args.random_mm_num_mm_items_range_ratio,
+        parse_bucket_config(args.random_mm_bucket_config), args.image_reuse)
+
+
+def build_search(args: argparse.Namespace, slos: dict[str, float]) -> SearchSettings | None:
+    bounds = parse_search(args.request_rate)
+    if bounds is None:
+        return None
+    if not slos:
+        raise ValueError("--request-rate search:LOW:HIGH needs --goodput SLOs to search under")
+    if args.search_step_s is not None and not args.search_step_s > 0:
+        raise ValueError("--search-step-s must be > 0")
+    return SearchSettings(*bounds, args.goodput_target, args.search_steps, args.search_resolution,
+                          args.search_budget_s)
+
+
+def step_prompts(rate: float, step_s: float | None, num_prompts: int) -> int:
+    """Requests in a search step: rate * step_s, within [MIN_STEP_PROMPTS, num_prompts]."""
+    if step_s is None:
+        return num_prompts
+    return min(num_prompts, max(MIN_STEP_PROMPTS, round(rate * step_s)))
+
+
+def write_json(path: Path | None, value) -> None:
+    if path is None:
+        return
+    try:
+        path.write_text(json.dumps(value, indent=2) + "\n")
+    except OSError as exc:
+        raise BenchError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+async def run_search(args: argparse.Namespace, dataset: RandomMMConfig, slos: dict[str, float],
+                     settings: SearchSettings) -> dict:
+    steps: list[dict] = []
+
+    def on_step(result: dict) -> None:
+        steps.append(result)
+        print(json.dumps(result), flush=True)
+        print(f"epd-bench: step {len(steps)}: rate {result['request_rate']:.3g} req/s, "
+              f"{result['num_prompts']} requests, SLO attainment {result['slo_attainment']:.3f} -> "
+              f"{'pass' if result['passed'] else 'miss'}", file=sys.stderr, flush=True)
+        write_json(args.json, {"partial": True, "search": asdict(settings), "steps": steps})
+
+    async with bench_runner(args.base_url, args.model, dataset, args.burstiness, args.max_concurrency,
+                            args.seed, slos, not args.no_progress) as runner:
+        async def measure(rate: float, index: int) -> dict:
+            return await runner.measure(rate, index, step_prompts(rate, args.search_step_s, args.num_prompts))
+
+        return await search_max_goodput(measure, settings, on_step)
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        slos = parse_goodput(args.goodput)
+        search = build_search(args, slos)
+        rates = None if search else parse_rates(args.request_rate)
+        if args.max_concurrency is not None and args.max_concurrency < 1:
+            raise ValueError("--max-concurrency must be >= 1")
+        if not args.burstiness > 0:
+            raise ValueError("--burstiness must be > 0")
+        dataset = build_dataset(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        if search:
+            found = asyncio.run(run_search(args, dataset, slos, search))
+            results, saved = found["steps"], found
+            print(f"epd-bench: maximum rate meeting the SLOs: {found['max_request_rate']} req/s "
+                  f"(goodput {found['max_request_goodput']})", file=sys.stderr)
+        else:
+            results = asyncio.run(run_sweep(args.base_url, args.model, dataset, rates, args.burstiness,
+                                            args.max_concurrency, args.seed, slos, not args.no_progress))
+            saved = results[0] if len(results) == 1 else results
+            for result in results:
+                print(json.dumps(result))
+        write_json(args.json, saved)
+        if args.plot:
+            plot_run(args, results, slos)
+    except (BenchError, ValueError, ImportError) as exc:
+        print(f"epd-bench: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def plot_run(args: argparse.Namespace, results: list[dict], slos: dict[str, float]) -> None:
+    from pipeline.bench.plot import plot_series
+
+    label = args.plot_label or (results[0].get("model_id") if results else None) or "epd-bench"
+    try:
+        plot_series({label: results}, args.plot, slos)
+    except OSError as exc:
+        raise BenchError(f"cannot write {args.plot}: {exc.strerror or exc}") from None

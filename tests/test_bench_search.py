@@ -1,0 +1,134 @@
+"""The goodput search's bisection against fake measurements (exact rates,
+budget and bounds), and the rate/latency chart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from pipeline.bench.plot import load_results, plot_series
+from pipeline.bench.search import SearchSettings, parse_search, search_max_goodput
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def fake_server_with_capacity(capacity: float, clock: list[float] | None = None, step_s: float = 0.0):
+    """A measurement whose SLO attainment is 1 up to `capacity` req/s and
+    0.5 beyond; each step advances the fake clock by step_s."""
+    calls = []
+
+    async def measure(rate: float, index: int) -> dict:
+        calls.append((rate, index))
+        if clock is not None:
+            clock[0] += step_s
+        good = 1.0 if rate <= capacity else 0.5
+        return {"request_rate": rate, "slo_attainment": good, "request_goodput": rate * good,
+                "request_throughput": rate}
+
+    return measure, calls
+
+
+def search(measure, settings, clock=None):
+    seen = []
+    kwargs = {"clock": lambda: clock[0]} if clock is not None else {}
+    found = asyncio.run(search_max_goodput(measure, settings, seen.append, **kwargs))
+    return found, seen
+
+
+def test_bisection_is_geometric_and_finds_the_capacity():
+    measure, calls = fake_server_with_capacity(5.0)
+    found, seen = search(measure, SearchSettings(1.0, 64.0, max_steps=6))
+    rates = [rate for rate, _ in calls]
+    # 8 miss, 2.83 pass, 4.76 pass, 6.17 miss, 5.42 miss, 5.08 miss
+    expected = [8.0, 8 ** 0.5, 8 ** 0.75, 8 ** 0.875, 8 ** 0.8125, 8 ** 0.78125]
+    assert rates == pytest.approx(expected)
+    assert [index for _, index in calls] == list(range(6))
+    assert [s["passed"] for s in found["steps"]] == [False, True, True, False, False, False]
+    assert seen == found["steps"]  # each step reported as it was measured
+    assert found["max_request_rate"] == pytest.approx(8 ** 0.75)
+    assert found["max_request_goodput"] == pytest.approx(8 ** 0.75)
+    assert found["bracket"] == pytest.approx([8 ** 0.75, 8 ** 0.78125])
+    assert found["at_bound"] is None and found["search"]["target"] == 0.9
+
+
+def test_all_pass_or_all_miss_say_which_bound_holds_the_answer():
+    measure, _ = fake_server_with_capacity(1000.0)
+    found, _ = search(measure, SearchSettings(1.0, 16.0, max_steps=3))
+    assert found["at_bound"] == "high" and found["max_request_rate"] == pytest.approx(16 ** (7 / 8))
+    measure, _ = fake_server_with_capacity(0.1)
+    found, _ = search(measure, SearchSettings(1.0, 16.0, max_steps=3))
+    assert found["at_bound"] == "low" and found["max_request_rate"] is None
+    assert found["max_request_goodput"] is None
+
+
+def test_target_resolution_and_budget_bound_the_steps():
+    measure, _ = fake_server_with_capacity(5.0)
+    found, _ = search(measure, SearchSettings(1.0, 64.0, target=0.4, max_steps=3))
+    assert all(s["passed"] for s in found["steps"])  # 0.5 attainment meets a 0.4 target
+    measure, calls = fake_server_with_capacity(5.0)
+    search(measure, SearchSettings(4.0, 4.1, resolution=0.05))
+    assert calls == []  # the bracket is already finer than the resolution
+    clock = [0.0]
+    measure, calls = fake_server_with_capacity(5.0, clock, step_s=10.0)
+    found, _ = search(measure, SearchSettings(1.0, 64.0, max_steps=6, budget_s=25.0), clock)
+    assert len(calls) == 2  # a third 10 s step would end at 30 s > 25 s
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(low=0.0, high=4.0), "0 < LOW < HIGH"), (dict(low=4.0, high=4.0), "0 < LOW < HIGH"),
+    (dict(low=1.0, high=float("inf")), "HIGH < inf"), (dict(low=1.0, high=4.0, target=0.0), "--goodput-target"),
+    (dict(low=1.0, high=4.0, max_steps=0), "--search-steps"),
+    (dict(low=1.0, high=4.0, budget_s=0.0), "--search-budget-s"),
+])
+def test_bad_search_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SearchSettings(**kwargs)
+
+
+def test_parse_search():
+    assert parse_search("search:0.5:32") == (0.5, 32.0)
+    assert parse_search("2,4") is None and parse_search("inf") is None
+    for bad in ("search:1", "search:a:b", "search:1:2:3"):
+        with pytest.raises(ValueError, match="search:LOW:HIGH"):
+            parse_search(bad)
+
+
+# ---- the chart ------------------------------------------------------------------------
+
+def result(rate, ttft, tpot):
+    return {"request_rate": rate, "p99_ttft_ms": ttft, "p99_tpot_ms": tpot}
+
+
+def test_plot_two_configurations(tmp_path):
+    series = {"EPD": [result(4.0, 300, 20), result(2.0, 200, 15), result("inf", 900, 60)],
+              "aggregated": [result(2.0, 400, 30), result(4.0, 2500, None)]}
+    out = plot_series(series, tmp_path / "chart.png", {"ttft": 2000, "tpot": 50}, title="EPD vs aggregated")
+    data = out.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 10_000
+    with pytest.raises(ValueError, match="no result has a finite request rate"):
+        plot_series({"x": [result("inf", 1, 1)]}, tmp_path / "none.png")
+
+
+def test_plot_cli_reads_every_result_layout(tmp_path):
+    (tmp_path / "one.json").write_text(json.dumps(result(1.0, 100, 10)))
+    (tmp_path / "sweep.json").write_text(json.dumps([result(1.0, 120, 12), result(3.0, 180, 14)]))
+    (tmp_path / "search.json").write_text(json.dumps({"steps": [result(2.0, 150, 11)], "max_request_rate": 2.0}))
+    assert [len(load_results(tmp_path / name)) for name in ("one.json", "sweep.json", "search.json")] == [1, 2, 1]
+    cli = [sys.executable, str(REPO / "bin" / "epd-bench-plot")]
+    out = tmp_path / "chart.png"
+    proc = subprocess.run([*cli, "--series", f"one={tmp_path / 'one.json'}", "--series",
+                           f"sweep={tmp_path / 'sweep.json'}", "--series", f"search={tmp_path / 'search.json'}",
+                           "--goodput", "ttft:2000", "tpot:50", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    for args, fragment in ((["--series", "nolabel", "--out", str(out)], "expected LABEL=FILE"),
+                           (["--series", f"x={tmp_path / 'missing.json'}", "--out", str(out)], "cannot read")):
+        proc = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0
+        assert proc.stderr.count("\n") == 1 and fragment in proc.stderr
