@@ -8,6 +8,11 @@ masked by length, so every shape depends only on the (batch, L) bucket, not
 on the requests: the forward is capturable. Padding rows read and write a
 null block that no request owns (the cache has one block more than the
 scheduler hands out).
+
+Where Triton runs (CUDA), the forward instead uses the fused kernels of
+pipeline.kernels: rotary + cache write and paged attention that reads K/V in
+place, fused residual-add + RMSNorm and SiLU * up; about five small kernels
+per layer beside the matmuls instead of twenty.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pipeline import kernels
 from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.models.attention import AttentionBackend
 
@@ -54,10 +60,21 @@ class GatherDecodeAttention(AttentionBackend):
 
 class DecodeGraphs:
     """Runs pure-decode batches through static buffers; on CUDA each
-    (batch, length) bucket is captured on first use and replayed after."""
+    (batch, length) bucket is captured on first use and replayed after.
+
+    `fused`: run the Triton kernels; None picks them on CUDA when Triton is
+    installed. True elsewhere needs TRITON_INTERPRET=1 (tests on the CPU)."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, null_block: int, max_batch: int,
-                 max_len: int, device: torch.device, use_graphs: bool, min_len: int = 256) -> None:
+                 max_len: int, device: torch.device, use_graphs: bool, min_len: int = 256,
+                 fused: bool | None = None) -> None:
+        if fused is None:
+            fused = device.type == "cuda" and kernels.available(device)
+        elif fused and not kernels.available(device):
+            raise ValueError(f"fused decode kernels need triton and a CUDA device (or TRITON_INTERPRET=1), "
+                             f"not {device}")
+        self.fused = fused
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         self.model = model
         self.cache = cache
         self.null_block = null_block
@@ -114,8 +131,13 @@ class DecodeGraphs:
             dst.copy_(src, non_blocking=True)
 
     def _forward(self, bb: int, lb: int) -> torch.Tensor:
-        attn = GatherDecodeAttention(self.cache, self.slot_mapping[:bb], self.block_tables[:bb],
-                                     self.lengths[:bb], lb)
+        if self.fused:
+            from pipeline.kernels.paged_backend import TritonDecodeAttention  # triton only where it runs
+            attn = TritonDecodeAttention(self.cache, self.slot_mapping[:bb], self.block_tables[:bb],
+                                         self.lengths[:bb], lb, self.num_sms)
+        else:
+            attn = GatherDecodeAttention(self.cache, self.slot_mapping[:bb], self.block_tables[:bb],
+                                         self.lengths[:bb], lb)
         hidden = self.model(self.model.embed(self.token_ids[:bb]), self.positions[:, :bb], attn)
         return self.model.logits(hidden)
 

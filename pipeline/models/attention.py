@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from pipeline.models.layers import LayerOps, apply_rotary
+
 
 class AttentionBackend(ABC):
     """Stores the keys/values of the tokens in this forward and attends.
@@ -24,6 +26,22 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ...
+
+    def attend_packed(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      heads: int) -> torch.Tensor:
+        """Rotary, then attend, from one fused projection's output: qkv is
+        [tokens, heads + 2 * kv_heads, head_dim] (q, k, v heads in that order,
+        before rotary); cos/sin [tokens, head_dim]. A backend may fuse the
+        rotary into its cache write; this default runs the plain ops."""
+        kv_heads = (qkv.shape[1] - heads) // 2
+        qk = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)  # q and k in one pass
+        return self.attend(layer, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:])
+
+    def layer_ops(self) -> LayerOps | None:
+        """Fused norm/activation kernels the model should use in this forward,
+        or None for its plain PyTorch ops. A forward's backend is its one
+        context object, so the fast path's choice rides here."""
+        return None
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int) -> torch.Tensor:

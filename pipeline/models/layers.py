@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,22 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class LayerOps(ABC):
+    """Fused kernels that a fast path runs in place of a decoder layer's
+    elementwise ops (pipeline.kernels implements them with Triton). Same
+    formulas as RMSNorm and GatedMLP; results agree within the model dtype's
+    rounding, not bit for bit."""
+
+    @abstractmethod
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)); delta None means just (x, norm(x))."""
+
+    @abstractmethod
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2 * hidden] (gate then up) -> silu(gate) * up."""
 
 
 class GatedMLP(nn.Module):
@@ -53,6 +71,11 @@ class GatedMLP(nn.Module):
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        if self.gate_up is None:
+            return self.forward(x)
+        return self.down_proj(ops.silu_mul(F.linear(x, *self.gate_up)))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.attention import AttentionBackend
-from pipeline.models.layers import GatedMLP, RMSNorm, apply_rotary
+from pipeline.models.layers import GatedMLP, LayerOps, RMSNorm, apply_rotary
 from pipeline.models.qwen2_5_vl.config import TextConfig
 
 
@@ -70,11 +70,11 @@ class SelfAttention(nn.Module):
             q = apply_rotary(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
             k = apply_rotary(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
             v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+            out = attn.attend(self.layer, q, k, v)
         else:
             qkv = F.linear(x, *self.qkv).view(n, self.heads + 2 * self.kv_heads, self.head_dim)
-            qk = apply_rotary(qkv[:, :self.heads + self.kv_heads], cos, sin)  # q and k in one pass
-            q, k, v = qk[:, :self.heads], qk[:, self.heads:], qkv[:, self.heads + self.kv_heads:]
-        return self.o_proj(attn.attend(self.layer, q, k, v).reshape(n, -1))
+            out = attn.attend_packed(self.layer, qkv, cos, sin, self.heads)
+        return self.o_proj(out.reshape(n, -1))
 
 
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -106,6 +106,14 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, x, delta, cos, sin, attn, ops: LayerOps):
+        """forward() with each residual add fused into the norm after it: takes
+        and returns (residual stream, the last sub-block's output not yet
+        added), so the next layer's first norm does that add."""
+        x, h = ops.add_rms_norm(x, delta, self.input_layernorm)
+        x, h = ops.add_rms_norm(x, self.self_attn(h, cos, sin, attn), self.post_attention_layernorm)
+        return x, self.mlp.forward_fused(h, ops)
+
 
 class TextModel(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
@@ -124,7 +132,13 @@ class TextModel(nn.Module):
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
-        cos, sin = self.rotary(positions, embeds.dtype)
+        cos, sin = self.rotary(positions, embeds.dtype)  # once per forward, shared by all layers
+        ops = attn.layer_ops()
+        if ops is not None:
+            x, delta = embeds, None
+            for layer in self.layers:
+                x, delta = layer.forward_fused(x, delta, cos, sin, attn, ops)
+            return ops.add_rms_norm(x, delta, self.norm)[1]
         x = embeds
         for layer in self.layers:
             x = layer(x, cos, sin, attn)

@@ -1,0 +1,52 @@
+"""The fast-decode attention backend on the Triton kernels: the counterpart
+of GatherDecodeAttention (same inputs, one query per row), and the carrier
+of the fused norm/activation ops for the rest of the decoder layer.
+
+Per layer it runs two kernels where the gather backend ran about a dozen:
+rotary + K/V cache write, then paged attention reading K/V in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.engine.paged_attention import PagedKVCache
+from pipeline.kernels.decode_attention import paged_decode_attention, plan_splits
+from pipeline.kernels.ops import TritonLayerOps
+from pipeline.kernels.rotary_kv import rotary_kv_write
+from pipeline.models.attention import AttentionBackend
+from pipeline.models.layers import LayerOps
+
+
+class TritonDecodeAttention(AttentionBackend):
+    """Row i attends to keys 0..lengths[i]-1 of its block table; its new K/V
+    goes to slot_mapping[i]. Padding rows point at the null block."""
+
+    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 lengths: torch.Tensor, max_len: int, num_sms: int) -> None:
+        self.cache = cache
+        self.slot_mapping = slot_mapping
+        self.block_tables = block_tables
+        self.lengths = lengths
+        kv_heads = cache.keys.shape[3]
+        # Fixed per (batch, max_len) bucket, so a captured graph's grid fits every replay.
+        self.num_splits, self.split_len = plan_splits(block_tables.shape[0], kv_heads, max_len, num_sms)
+        self.ops = TritonLayerOps()
+
+    def attend(self, layer, q, k, v):
+        k_slots, v_slots = self.cache.layer_slots(layer)
+        k_slots.index_copy_(0, self.slot_mapping, k)
+        v_slots.index_copy_(0, self.slot_mapping, v)
+        return self._attention(q.contiguous(), k_slots, v_slots)
+
+    def attend_packed(self, layer, qkv, cos, sin, heads):
+        k_slots, v_slots = self.cache.layer_slots(layer)
+        q = rotary_kv_write(qkv, cos, sin, heads, k_slots, v_slots, self.slot_mapping)
+        return self._attention(q, k_slots, v_slots)
+
+    def layer_ops(self) -> LayerOps:
+        return self.ops
+
+    def _attention(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
+        return paged_decode_attention(q, k_slots, v_slots, self.block_tables, self.lengths,
+                                      self.cache.block_size, self.num_splits, self.split_len)
