@@ -4,20 +4,30 @@
 1. correctness: the tiny checkpoint in float32 on CUDA, several requests with
    images batched through the engine, equal to offline greedy generation of
    each alone on the same device;
+   kernels: each fused Triton kernel of the fast-decode path against its
+   PyTorch reference at 3B sizes, and one decode step of the 3B-shaped
+   model (bf16) through the fused path against the reference backend;
 2. speed: decode step time at batch 1 and 32 for a Qwen2.5-VL-3B-shaped
    language model with random weights (made on the GPU), with the reference
    attention backend, beside the weight-read floor (weight bytes / measured
-   device copy bandwidth), all in this one run.
+   device copy bandwidth), all in this one run; for the fast path also the
+   graph replay alone and the top CUDA kernels of one replay (torch.profiler).
 
-    python scripts/gpu_engine_check.py [--json out.json]
+    timeout 1500 python scripts/gpu_engine_check.py [--json out.json] [--modes ...]
+
+Each mode that fails is recorded with its traceback and the run goes on; the
+JSON is rewritten after every mode, so a timeout keeps what finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,8 +36,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from pipeline.engine.decode_graphs import DecodeGraphs  # noqa: E402
 from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
-from pipeline.engine.request import SamplingParams  # noqa: E402
+from pipeline.engine.paged_attention import PagedKVCache, ReferencePagedAttention, SequenceSlice, StepLayout  # noqa: E402
 from pipeline.generate import GenerationLimits, greedy_generate  # noqa: E402
 from pipeline.models.loader import load_model  # noqa: E402
 from pipeline.models.shapes import random_model  # noqa: E402
@@ -35,12 +46,12 @@ from pipeline.models.tiny import default_model_dir  # noqa: E402
 from pipeline.processing.image import preprocess_images  # noqa: E402
 from pipeline.processing.processor import Processor  # noqa: E402
 from pipeline.processing.tokenizer import Tokenizer  # noqa: E402
+from pipeline.engine.request import SamplingParams  # noqa: E402
 
 
 def attention_equality(device: torch.device) -> dict:
     """The fast decode attention against the reference backend, bf16, 3B-like heads."""
     from pipeline.engine.decode_graphs import GatherDecodeAttention
-    from pipeline.engine.paged_attention import PagedKVCache, ReferencePagedAttention, SequenceSlice, StepLayout
 
     gen = torch.Generator(device=device).manual_seed(0)
     cache = PagedKVCache(1, 600, 16, 2, 128, torch.bfloat16, device)
@@ -57,9 +68,117 @@ def attention_equality(device: torch.device) -> dict:
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
     slots = torch.tensor([t[n // 16] * 16 + n % 16 for t, n in zip(tables, lens)], device=device)
-    fast = GatherDecodeAttention(cache, slots, bt, torch.tensor(lens, device=device) + 1, 1024).attend(0, q, k, v)
+    lengths = torch.tensor(lens, device=device) + 1
+    fast = GatherDecodeAttention(cache, slots, bt, lengths, 1024).attend(0, q, k, v)
     diff = (fast.float() - ref.float()).abs().max().item()
-    return {"max_abs_diff": diff, "ref_max_abs": ref.float().abs().max().item(), "ok": diff <= 2e-2}
+    out = {"max_abs_diff": diff, "ref_max_abs": ref.float().abs().max().item(), "ok": diff <= 2e-2}
+    from pipeline.kernels.paged_backend import TritonDecodeAttention
+    triton = TritonDecodeAttention(cache, slots, bt, lengths, 1024, _num_sms(device)).attend(0, q, k, v)
+    out["triton"] = _compare(triton, ref)
+    out["ok"] = out["ok"] and out["triton"]["ok"]
+    return out
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor, rel: float = 2e-2) -> dict:
+    """bf16 agreement: within `rel` of the reference's largest magnitude (a
+    few bf16 ulps: the kernels round once where the references round per op)."""
+    diff = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    return {"max_abs_diff": diff, "ref_max_abs": scale, "ok": diff <= rel * max(scale, 1.0)}
+
+
+def kernel_equality(device: torch.device) -> dict:
+    """Each fused kernel against its PyTorch reference, bf16, 3B sizes."""
+    from pipeline.kernels import activation, decode_attention, rmsnorm, rotary_kv
+
+    gen = torch.Generator(device=device).manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
+
+    x, delta, weight = randn(32, 2048), randn(32, 2048), 1 + 0.1 * randn(2048)
+    got, want = rmsnorm.add_rms_norm(x, delta, weight, 1e-6), rmsnorm.add_rms_norm_reference(x, delta, weight, 1e-6)
+    out = {"add_rms_norm": _compare(got[1], want[1]), "add_rms_norm_residual": _compare(got[0], want[0])}
+    gate_up = randn(32, 2 * 11008)
+    out["silu_mul"] = _compare(activation.silu_mul(gate_up), activation.silu_mul_reference(gate_up))
+    qkv, angles = randn(32, 20, 128), torch.rand(32, 64, generator=gen, device=device) * 500
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    slots = torch.randperm(9600, generator=gen, device=device)[:32]
+    caches = [randn(9600, 2, 128) for _ in range(2)]
+    mine, theirs = [c.clone() for c in caches], [c.clone() for c in caches]
+    q = rotary_kv.rotary_kv_write(qkv, cos, sin, 16, *mine, slots)
+    want_q = rotary_kv.rotary_kv_write_reference(qkv, cos, sin, 16, *theirs, slots)
+    out["rotary_q"], out["rotary_k_cache"] = _compare(q, want_q), _compare(mine[0], theirs[0])
+    out["rotary_v_cache"] = _compare(mine[1], theirs[1])
+    lengths = torch.tensor([1, 17, 300, 1023, 77, 1], device=device)  # last: padding row on the null block
+    tables = torch.full((6, 64), 599, device=device)
+    order = torch.randperm(599, generator=gen, device=device)  # scattered, not contiguous, blocks
+    for i, n in enumerate(lengths[:5].tolist()):
+        tables[i, :-(-n // 16)] = order[70 * i:70 * i - (-n // 16)]
+    q = randn(6, 16, 128)
+    want = decode_attention.paged_decode_attention_reference(q, *caches, tables, lengths, 16)
+    for name, splits in (("planned", decode_attention.plan_splits(6, 2, 1024, _num_sms(device))),
+                         ("one_split", (1, 1024))):
+        got = decode_attention.paged_decode_attention(q, *caches, tables, lengths, 16, *splits)
+        out[f"paged_attention_{name}"] = dict(_compare(got, want), splits=splits[0])
+    return out
+
+
+def _prefill_then_step(model: torch.nn.Module, device: torch.device, lens, bs: int = 16, num_blocks: int = 160):
+    """Each sequence prefilled alone through the reference backend into a
+    paged cache with scattered blocks; then one decode step of them all.
+    Returns (reference logits of that step, cache, tables, step ids, positions)."""
+    text = model.cfg.text
+    cache = PagedKVCache(text.num_hidden_layers, num_blocks + 1, bs, text.num_key_value_heads, text.head_dim,
+                         next(model.parameters()).dtype, device)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = []
+    for n in lens:  # room for the decode token at index n
+        tables.append(order[:n // bs + 1])
+        order = order[n // bs + 1:]
+    rng = np.random.default_rng(0)
+    with torch.inference_mode():
+        for n, table in zip(lens, tables):
+            layout = StepLayout.build([SequenceSlice(0, n, 0, tuple(table))], bs, device)
+            ids = torch.tensor(rng.integers(0, text.vocab_size, n), device=device)
+            model(model.embed(ids), model.decode_positions(0, n, 0).to(device), ReferencePagedAttention(cache, layout))
+        step = [int(x) for x in rng.integers(0, text.vocab_size, len(lens))]
+        positions = torch.cat([model.decode_positions(n, 1, 0) for n in lens], dim=1)
+        layout = StepLayout.build([SequenceSlice(i, 1, n, tuple(t)) for i, (n, t) in enumerate(zip(lens, tables))],
+                                  bs, device)
+        hidden = model(model.embed(torch.tensor(step, device=device)), positions.to(device),
+                       ReferencePagedAttention(cache, layout))
+        return model.logits(hidden).float(), cache, tables, step, positions
+
+
+def fused_decode_equality(model: torch.nn.Module, exact: torch.nn.Module, device: torch.device,
+                          lens=(1, 17, 300, 700)) -> dict:
+    """One decode step of a bf16 model (fuse()d) through the reference
+    backend, the gather fast path and the fused Triton path, each against the
+    same step of `exact` (the float32 copy of its weights). bf16 paths round
+    differently; the fused one must be about as close to float32 as the others."""
+    truth = _prefill_then_step(exact, device, lens)[0]
+    want, cache, tables, step, positions = _prefill_then_step(model, device, lens)
+    scale = truth.abs().max().item()
+
+    def against_truth(logits):
+        return {"max_abs_diff": (logits - truth).abs().max().item(),
+                "top1_agree": (logits.argmax(-1) == truth.argmax(-1)).float().mean().item()}
+
+    out = {"ref_max_abs": scale, "reference": against_truth(want)}
+    with torch.inference_mode():
+        for name, fused in (("fused", True), ("gather", False)):
+            graphs = DecodeGraphs(model, cache, len(cache.keys[0]) - 1, 8, 1024, device, use_graphs=True, fused=fused)
+            got = graphs.run(step, positions, tables, list(lens)).float()
+            out[name] = dict(against_truth(got), max_abs_diff_vs_bf16_reference=(got - want).abs().max().item())
+    baseline = max(out["reference"]["max_abs_diff"], out["gather"]["max_abs_diff"])
+    out["ok"] = out["fused"]["max_abs_diff"] <= 1.5 * baseline + 0.01 * scale
+    return out
 
 
 def correctness(device: torch.device, fast_decode: bool) -> dict:
@@ -108,8 +227,38 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 10 * a.numel() / (start.elapsed_time(end) / 1000)  # read + write bytes per second
 
 
-def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, context: int = 512,
-                 steps: int = 20) -> dict:
+def _device_us(event) -> float:
+    # The attribute's name moved between torch releases (cuda_* -> device_*).
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(event, name):
+            return float(getattr(event, name))
+    return 0.0
+
+
+def kernel_breakdown(replay, eager, top: int = 15) -> dict:
+    """The top CUDA kernels of one graph replay by total device time. Where
+    the profiler does not see inside graphs, one eager forward of the same
+    bucket is profiled instead (same kernels, plus launch gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for source, run in (("graph_replay", replay), ("eager_forward", eager)):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        rows = [(e.key, e.count, _device_us(e)) for e in prof.key_averages() if _device_us(e) > 0]
+        if rows:
+            break
+    rows.sort(key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    return {"source": source, "kernel_launches": sum(r[1] for r in rows), "kernel_total_us": total,
+            "top": [{"kernel": name[:120], "calls": calls, "total_us": us, "share": us / total if total else 0.0}
+                    for name, calls, us in rows[:top]]}
+
+
+def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, out: dict, context: int = 512,
+                 steps: int = 20, profile: bool = True) -> dict:
+    """Fills `out` as it goes (kept if a later batch fails) and returns it."""
     loaded = random_model("qwen2.5-vl-3b", torch.bfloat16, device)
     model = loaded.model
     lm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("visual."))
@@ -117,7 +266,7 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, co
     # Weights are read once per step. The copy moves `bandwidth` bytes per
     # second counting reads and writes; a pure read can use all of it.
     floor_ms = lm_bytes / bandwidth * 1000
-    out = {"lm_weight_gb": lm_bytes / 1e9, "copy_bandwidth_tb_s": bandwidth / 1e12, "floor_ms": floor_ms}
+    out.update({"lm_weight_gb": lm_bytes / 1e9, "copy_bandwidth_tb_s": bandwidth / 1e12, "floor_ms": floor_ms})
     tokenizer = Tokenizer.from_checkpoint(default_model_dir())  # only for the engine's text state
     for batch in batches:
         engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
@@ -146,7 +295,8 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, co
         decode = engine.runner.decode
         if decode is not None and decode.graphs:
             # The captured forward alone: what is left is host work per step.
-            graph, _ = decode.graphs[max(decode.graphs)]
+            key = max(decode.graphs)
+            graph, _ = decode.graphs[key]
             replays = []
             for _ in range(steps):
                 t = time.perf_counter()
@@ -154,37 +304,84 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, co
                 torch.cuda.synchronize()
                 replays.append((time.perf_counter() - t) * 1000)
             out[f"batch{batch}_graph_replay_ms"] = float(np.median(replays))
+            out[f"batch{batch}_fused_kernels"] = decode.fused
+            if profile:
+                def eager():
+                    with torch.inference_mode():
+                        decode._forward(*key)
+                out[f"batch{batch}_profile"] = kernel_breakdown(graph.replay, eager)
         del engine
         torch.cuda.empty_cache()
     return out
+
+
+def _failed(report: dict) -> list[str]:
+    """Names of the checks that failed or raised."""
+    bad = [k for k, v in report.items() if isinstance(v, dict) and "error" in v]
+    bad += [k for k in ("attention_equality", "fused_decode_equality") if not report.get(k, {}).get("ok", True)]
+    bad += [f"kernel_equality.{k}" for k, v in report.get("kernel_equality", {}).items()
+            if isinstance(v, dict) and not v["ok"]]
+    bad += [f"correctness.{k}" for k, v in report.get("correctness", {}).items()
+            if isinstance(v, dict) and v.get("mismatches")]
+    return bad
+
+
+def _sections(device: torch.device, modes: list[str], batches: list[int], report: dict, profile: bool):
+    """(report key, work) in run order; a speed section fills its dict as it goes."""
+    if "correctness" in modes:
+        yield "attention_equality", lambda: attention_equality(device)
+        yield "correctness", lambda: {mode: correctness(device, fast) for mode, fast in
+                                      (("reference", False), ("fast_decode", True))}
+    if "kernels" in modes:
+        yield "kernel_equality", lambda: kernel_equality(device)
+
+        def fused_model():
+            model = random_model("qwen2.5-vl-3b", torch.bfloat16, device).model
+            exact = copy.deepcopy(model).float()
+            exact.reset_buffers()  # rotary tables in float32, as a float32 model makes them
+            model.fuse()
+            return fused_decode_equality(model, exact, device)
+        yield "fused_decode_equality", fused_model
+    for mode, fast in (("reference", False), ("fast_decode", True)):
+        if mode in modes:
+            out = report.setdefault(f"decode_{mode}", {})
+            yield f"decode_{mode}", lambda fast=fast, out=out: decode_speed(device, batches, fast, out, profile=profile)
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", type=Path)
     p.add_argument("--batches", default="1,32")
-    p.add_argument("--modes", default="correctness,reference,fast_decode",
-                   help="comma list of: correctness, reference, fast_decode")
+    p.add_argument("--modes", default="correctness,kernels,reference,fast_decode",
+                   help="comma list of: correctness, kernels, reference, fast_decode")
+    p.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of a graph replay")
     args = p.parse_args()
     device = torch.device("cuda:0")
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    modes = args.modes.split(",")
-    if "correctness" in modes:
-        report["attention_equality"] = attention_equality(device)
-        report["correctness"] = {mode: correctness(device, fast) for mode, fast in
-                                 (("reference", False), ("fast_decode", True))}
-        print("attention:", report["attention_equality"], flush=True)
-        print("correctness:", report["correctness"], flush=True)
+    try:
+        import triton
+        report["triton"] = triton.__version__
+    except ImportError:
+        report["triton"] = None
+    # `timeout` sends SIGTERM: leave through the finally below, which saves.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     batches = [int(b) for b in args.batches.split(",")]
-    for mode, fast in (("reference", False), ("fast_decode", True)):
-        if mode in modes:
-            report[f"decode_{mode}"] = decode_speed(device, batches, fast)
-            print(f"decode ({mode}):", json.dumps(report[f"decode_{mode}"]), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    bad = "correctness" in report and (any(c["mismatches"] for c in report["correctness"].values())
-                                       or not report["attention_equality"]["ok"])
-    return 1 if bad else 0
+    try:
+        for key, work in _sections(device, args.modes.split(","), batches, report, not args.no_profile):
+            try:
+                report[key] = work()
+            except Exception:  # recorded and reported in the exit status; the next mode still runs
+                report.setdefault(key, {})
+                report[key]["error"] = traceback.format_exc()
+            print(f"{key}:", json.dumps(report[key]), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(report, indent=2))
+    finally:
+        report["failed"] = _failed(report)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+        print("failed:", report["failed"], flush=True)
+    return 1 if report["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ class DecodeGraphs:
         if batch > self.max_batch or max(context_lens) + 1 > self.max_len:
             raise ValueError("decode batch exceeds the captured limits")
         bb, lb = _bucket(batch, 1), _bucket(max(context_lens) + 1, self.min_len)
-        self._fill(token_ids, positions, block_tables, context_lens, bb)
+        self._fill(token_ids, positions, block_tables, context_lens, bb, lb)
         if not self.use_graphs:
             return self._forward(bb, lb)[:batch]
         if (bb, lb) not in self.graphs:
@@ -110,25 +110,21 @@ class DecodeGraphs:
         graph.replay()
         return logits[:batch]
 
-    def _fill(self, token_ids, positions, block_tables, context_lens, bb: int) -> None:
-        batch = len(token_ids)
-        bs = self.cache.block_size
-        width = self.block_tables.shape[1]
-        tables = torch.full((bb, width), self.null_block, dtype=torch.long)
-        slots = torch.full((bb,), self.null_block * bs, dtype=torch.long)
-        for i, (table, n) in enumerate(zip(block_tables, context_lens)):
-            tables[i, :len(table)] = torch.tensor(table)
-            slots[i] = table[n // bs] * bs + n % bs
-        lengths = torch.ones(bb, dtype=torch.long)
-        lengths[:batch] = torch.tensor(context_lens) + 1
-        ids = torch.zeros(bb, dtype=torch.long)
-        ids[:batch] = torch.tensor(token_ids)
+    def _fill(self, token_ids, positions, block_tables, context_lens, bb: int, lb: int) -> None:
+        """Copy one step's inputs into the static buffers. Of the block
+        tables only the columns a length-`lb` bucket reads are written: the
+        full width (max_len / block_size) would be megabytes per step."""
+        pad = bb - len(token_ids)
+        bs, null = self.cache.block_size, self.null_block
+        cols = -(-lb // bs)
+        tables = [list(t[:cols]) + [null] * (cols - len(t[:cols])) for t in block_tables] + [[null] * cols] * pad
+        slots = [t[n // bs] * bs + n % bs for t, n in zip(block_tables, context_lens)] + [null * bs] * pad
         pos = torch.zeros(3, bb, dtype=torch.long)
-        pos[:, :batch] = positions
-        for dst, src in ((self.token_ids[:bb], ids), (self.positions[:, :bb], pos),
-                         (self.slot_mapping[:bb], slots), (self.block_tables[:bb], tables),
-                         (self.lengths[:bb], lengths)):
-            dst.copy_(src, non_blocking=True)
+        pos[:, :bb - pad] = positions
+        for dst, src in ((self.token_ids[:bb], list(token_ids) + [0] * pad), (self.positions[:, :bb], pos),
+                         (self.slot_mapping[:bb], slots), (self.block_tables[:bb, :cols], tables),
+                         (self.lengths[:bb], [n + 1 for n in context_lens] + [1] * pad)):
+            dst.copy_(torch.as_tensor(src, dtype=torch.long), non_blocking=True)
 
     def _forward(self, bb: int, lb: int) -> torch.Tensor:
         if self.fused:
