@@ -53,9 +53,8 @@ def percentiles(samples_ns: list[int]) -> dict[str, float]:
 
 # ------------------------------------------------------------- arena path
 
-def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: int, lane_path: str) -> None:
+def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: int) -> None:
     from pipeline.arena.store import ArenaStore
-    from pipeline.lane import LaneSender
 
     torch.cuda.set_device(0)
     store = ArenaStore(512 << 20, 64 << 10, torch.device("cuda:0"), f"bench-{os.getpid()}", 60.0)
@@ -63,7 +62,6 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
     inbox, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.bind(address)
     out.connect(consumer)
-    lane = LaneSender() if lane_path else None
     out.send(protocol.encode(protocol.EncoderAnnounce("bench", address, "bench", store.info, {"image": WIDTH})))
     try:
         for mib in sizes:
@@ -81,8 +79,7 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
                 t_stored = time.perf_counter_ns()
                 ready = protocol.EmbeddingReady(f"{mib}:{i}:{t0}:{t_stored}", "r", entry.content_hash,
                                                 store.handle(entry), lease.lease_id, "bench")
-                if lane is None or not lane.send(lane_path, ready):
-                    out.send(protocol.encode(ready))
+                out.send(protocol.encode(ready))
                 release = protocol.decode(inbox.recv())
                 store.index.release(release.lease_ids[0])
                 store.index.evict(entry.content_hash)  # keep the arena from filling
@@ -94,38 +91,25 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
         store.close()
 
 
-def consumer(address: str, producer_address: str, device: str, checks: int, spin: bool, lane_path: str,
-             copy: str) -> dict:
-    from pipeline.arena import cuda_copy
+def consumer(address: str, producer_address: str, device: str, checks: int, spin: bool,
+             peer_context: bool) -> dict:
     from pipeline.arena.reader import ArenaReader
-    from pipeline.lane import LaneReceiver
 
     torch.cuda.set_device(torch.device(device))
-    if copy == "torch":
-        cuda_copy.runtime = lambda: None   # Tensor.copy_, for comparison
     ctx = zmq.Context()
     inbox, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.bind(address)
     out.connect(producer_address)
-    reader = ArenaReader()
-    lane = LaneReceiver(lane_path) if lane_path else None
-    # As the generator's receiver thread waits: one poll over the inbox and the lane.
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    if lane is not None:
-        poller.register(lane.fileno(), zmq.POLLIN)
-    queued: list = []
+    reader = ArenaReader(None if peer_context else torch.device(device))
 
     def recv():
-        while not queued:
-            if lane is not None:
-                queued.extend(lane.recv_ready())
+        if not spin:
+            return protocol.decode(inbox.recv())
+        while True:
             try:
-                queued.append(protocol.decode(inbox.recv(zmq.NOBLOCK)))
+                return protocol.decode(inbox.recv(zmq.NOBLOCK))
             except zmq.Again:
-                if not queued and not spin:
-                    poller.poll()
-        return queued.pop(0)
+                pass
 
     announce = recv()
     t = time.perf_counter_ns()
@@ -142,7 +126,12 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
         shape = tuple(message.handle.shape)
         if shape not in buffers:
             buffers[shape] = torch.empty(shape, dtype=torch.bfloat16, device=device)
-        got = reader.read(message.handle, out=buffers[shape])
+        pending = reader.read_async(message.handle, out=buffers[shape])   # what read() does, timed in parts
+        t_queued = time.perf_counter_ns()
+        pending.wait()
+        t_copied = time.perf_counter_ns()
+        reader.verify(message.handle)
+        got = pending.tensor
         t1 = time.perf_counter_ns()
         out.send(protocol.encode(protocol.ReleaseLease((message.lease_id,), "consumer")))
         mib, i, t0, t_stored = message.job_id.split(":")
@@ -152,7 +141,9 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
         else:
             t0, t_stored = int(t0), int(t_stored)
             for part, value in (("total", t1 - t0), ("store", t_stored - t0),
-                                ("message", t_recv - t_stored), ("read", t1 - t_recv)):
+                                ("message", t_recv - t_stored), ("read", t1 - t_recv),
+                                ("read:queue", t_queued - t_recv), ("read:wait", t_copied - t_queued),
+                                ("read:verify", t1 - t_copied)):
                 samples.setdefault(f"{mib}/{part}", []).append(value)
     for key, s in samples.items():
         mib, part = key.split("/")
@@ -162,8 +153,6 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
         else:
             result.setdefault("parts", {}).setdefault(mib, {})[part] = stats["p50_us"]
     reader.close()
-    if lane is not None:
-        lane.close()
     inbox.close()
     out.close()
     ctx.term()
@@ -215,18 +204,16 @@ def run_torch_ipc(sizes: list[int], iters: int, device: str) -> dict:
 
 # ------------------------------------------------------------------- main
 
-def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool, lane: bool, copy: str) -> dict:
+def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool, peer_context: bool) -> dict:
     run_dir = Path(f"/tmp/epd-bench-{os.getpid()}")
     run_dir.mkdir(exist_ok=True)
     p_addr, c_addr = f"ipc://{run_dir}/p.sock", f"ipc://{run_dir}/c.sock"
-    lane_path = f"{run_dir}/c.lane" if lane else ""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    cons = ctx.Process(target=_consumer_entry, args=(c_addr, p_addr, device, checks, spin, lane_path, copy,
-                                                     results))
+    cons = ctx.Process(target=_consumer_entry, args=(c_addr, p_addr, device, checks, spin, peer_context, results))
     cons.start()
     time.sleep(1.0)  # the consumer binds first
-    prod = ctx.Process(target=producer, args=(p_addr, c_addr, sizes, iters, checks, lane_path))
+    prod = ctx.Process(target=producer, args=(p_addr, c_addr, sizes, iters, checks))
     prod.start()
     out = results.get(timeout=600)
     prod.join(timeout=60)
@@ -236,8 +223,8 @@ def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool
     return out
 
 
-def _consumer_entry(c_addr, p_addr, device, checks, spin, lane_path, copy, results):
-    results.put(consumer(c_addr, p_addr, device, checks, spin, lane_path, copy))
+def _consumer_entry(c_addr, p_addr, device, checks, spin, peer_context, results):
+    results.put(consumer(c_addr, p_addr, device, checks, spin, peer_context))
 
 
 def main() -> int:
@@ -247,20 +234,17 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--checks", type=int, default=16, help="handoffs checked for equality per size")
     parser.add_argument("--spin", action="store_true", help="consumer busy-polls its socket")
-    parser.add_argument("--lane", action="store_true", help="ready messages over the Unix datagram lane")
-    parser.add_argument("--copy", choices=("raw", "torch"), default="raw",
-                        help="consumer copy: raw cudaMemcpyAsync, or Tensor.copy_")
+    parser.add_argument("--map-on-producer-gpu", action="store_true",
+                        help="open the arena in a context on the producer's GPU (the old way), for comparison")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_mib.split(",")]
     device = f"cuda:{args.consumer_device}"
-    arena = run_arena(sizes, args.iters, device, args.checks, args.spin, args.lane, args.copy)
+    arena = run_arena(sizes, args.iters, device, args.checks, args.spin, args.map_on_producer_gpu)
     baseline = run_torch_ipc(sizes, max(200, args.iters // 4), device)
     report = {"device": torch.cuda.get_device_name(0), "consumer": device, "spin": args.spin,
-              "lane": args.lane, "copy": args.copy,
+              "mapped_on_producer_gpu": args.map_on_producer_gpu,
               "arena": arena, "torch_ipc": baseline}
-    print(f"message over {'the Unix lane' if args.lane else 'zmq'}, copy {args.copy}, "
-          f"{'busy-polling' if args.spin else 'blocking'} consumer")
     print(f"producer cuda:0 -> consumer {device}; arena opened once in {arena['open_ms']:.1f} ms; "
           f"equality mismatches: {arena['mismatches']}")
     print(f"{'size':>6} {'arena p50':>10} {'arena p99':>10} {'torch p50':>10} {'torch p99':>10} {'p50 ratio':>9}")

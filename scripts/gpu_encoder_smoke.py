@@ -54,8 +54,8 @@ async def run(args) -> int:
                              "--instance", "smoke", "--model-id", "tiny"], cwd=REPO)
     ctx = zmq.asyncio.Context()
     inbox, outbox = transport.Inbox(ctx, me), transport.Outbox(ctx)
-    reader = ArenaReader()
     device = torch.device(f"cuda:{args.consumer_device}")
+    reader = ArenaReader(device)
     torch.cuda.set_device(device)
     failures = 0
     try:

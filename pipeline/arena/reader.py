@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.arena import cuda_copy, cuda_ipc
+from pipeline.arena import cuda_ipc
 from pipeline.arena.dtypes import dtype_from_name
 from pipeline.arena.shm import ShmSegment
 from pipeline.protocol import ArenaHandle, ArenaInfo
@@ -44,7 +44,11 @@ class _Opened:
 
 
 class ArenaReader:
-    def __init__(self) -> None:
+    """`device`: the GPU this consumer works on; CUDA arenas are mapped there
+    (peer access) rather than on the producer's GPU."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device if device is not None and device.type == "cuda" else None
         self._arenas: dict[str, _Opened] = {}
 
     def open(self, info: ArenaInfo) -> None:
@@ -54,7 +58,7 @@ class ArenaReader:
         gen_shm = ShmSegment.open(info.generations_name)
         segments = [gen_shm]
         if info.kind == "cuda":
-            data = cuda_ipc.open_export(info.cuda_handle)
+            data = cuda_ipc.open_export(info.cuda_handle, self.device)
         elif info.kind == "shm":
             data_shm = ShmSegment.open(info.data_name)
             segments.append(data_shm)
@@ -93,16 +97,11 @@ class ArenaReader:
         elif tuple(out.shape) != tuple(handle.shape) or out.dtype != dtype_from_name(handle.dtype):
             raise ValueError(f"output {tuple(out.shape)} {out.dtype} does not fit handle "
                              f"{handle.shape} {handle.dtype}")
-        target = out.view(-1).view(torch.uint8)
-        if not out.is_cuda:
-            target.copy_(source)
-            return PendingRead(out, None)
-        if source.is_cuda:
-            cuda_copy.copy_bytes(target, source)
-        else:
-            target.copy_(source, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(out.device))
+        out.view(-1).view(torch.uint8).copy_(source, non_blocking=True)
+        event = None
+        if out.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(out.device))
         return PendingRead(out, event)
 
     def verify(self, handle: ArenaHandle) -> None:

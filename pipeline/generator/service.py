@@ -59,7 +59,7 @@ class GeneratorService:
         self.embedding_timeout = embedding_timeout
         self.decode_images = decode_images   # aggregated mode: media bytes -> [(pixels, grid)]
         self.heartbeat_interval = heartbeat_interval
-        self.reader = ArenaReader()
+        self.reader = ArenaReader(device)
         self.tracked: dict[str, _Tracked] = {}
         self.key_source: dict[str, str] = {}     # image key -> encoder address that delivered it
         self.encoder_addresses: dict[str, str] = {}  # encoder id -> inbox address, from announcements
