@@ -12,9 +12,10 @@ import pytest
 
 from conftest import REPO
 from pipeline.bench.plot import load_results, plot_series
-from pipeline.bench.search import SearchSettings, parse_search, search_max_goodput
+from pipeline.bench.search import SearchSettings, parse_search, search_max_goodput, step_passes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SLOS = {"ttft": 2000.0, "tpot": 50.0}
 
 
 def fake_server_with_capacity(capacity: float, clock: list[float] | None = None, step_s: float = 0.0):
@@ -42,7 +43,7 @@ def search(measure, settings, clock=None):
 
 def test_bisection_is_geometric_and_finds_the_capacity():
     measure, calls = fake_server_with_capacity(5.0)
-    found, seen = search(measure, SearchSettings(1.0, 64.0, max_steps=6))
+    found, seen = search(measure, SearchSettings(1.0, 64.0, SLOS, max_steps=6))
     rates = [rate for rate, _ in calls]
     # 8 miss, 2.83 pass, 4.76 pass, 6.17 miss, 5.42 miss, 5.08 miss
     expected = [8.0, 8 ** 0.5, 8 ** 0.75, 8 ** 0.875, 8 ** 0.8125, 8 ** 0.78125]
@@ -58,24 +59,24 @@ def test_bisection_is_geometric_and_finds_the_capacity():
 
 def test_all_pass_or_all_miss_say_which_bound_holds_the_answer():
     measure, _ = fake_server_with_capacity(1000.0)
-    found, _ = search(measure, SearchSettings(1.0, 16.0, max_steps=3))
+    found, _ = search(measure, SearchSettings(1.0, 16.0, SLOS, max_steps=3))
     assert found["at_bound"] == "high" and found["max_request_rate"] == pytest.approx(16 ** (7 / 8))
     measure, _ = fake_server_with_capacity(0.1)
-    found, _ = search(measure, SearchSettings(1.0, 16.0, max_steps=3))
+    found, _ = search(measure, SearchSettings(1.0, 16.0, SLOS, max_steps=3))
     assert found["at_bound"] == "low" and found["max_request_rate"] is None
     assert found["max_request_goodput"] is None
 
 
 def test_target_resolution_and_budget_bound_the_steps():
     measure, _ = fake_server_with_capacity(5.0)
-    found, _ = search(measure, SearchSettings(1.0, 64.0, target=0.4, max_steps=3))
+    found, _ = search(measure, SearchSettings(1.0, 64.0, SLOS, target=0.4, max_steps=3))
     assert all(s["passed"] for s in found["steps"])  # 0.5 attainment meets a 0.4 target
     measure, calls = fake_server_with_capacity(5.0)
-    search(measure, SearchSettings(4.0, 4.1, resolution=0.05))
+    search(measure, SearchSettings(4.0, 4.1, SLOS, resolution=0.05))
     assert calls == []  # the bracket is already finer than the resolution
     clock = [0.0]
     measure, calls = fake_server_with_capacity(5.0, clock, step_s=10.0)
-    found, _ = search(measure, SearchSettings(1.0, 64.0, max_steps=6, budget_s=25.0), clock)
+    found, _ = search(measure, SearchSettings(1.0, 64.0, SLOS, max_steps=6, budget_s=25.0), clock)
     assert len(calls) == 2  # a third 10 s step would end at 30 s > 25 s
 
 
@@ -84,10 +85,22 @@ def test_target_resolution_and_budget_bound_the_steps():
     (dict(low=1.0, high=float("inf")), "HIGH < inf"), (dict(low=1.0, high=4.0, target=0.0), "--goodput-target"),
     (dict(low=1.0, high=4.0, max_steps=0), "--search-steps"),
     (dict(low=1.0, high=4.0, budget_s=0.0), "--search-budget-s"),
+    (dict(low=1.0, high=4.0, slos={}), "needs --goodput"),
+    (dict(low=1.0, high=4.0, criterion="p50"), "--search-criterion"),
 ])
 def test_bad_search_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SearchSettings(**kwargs)
+        SearchSettings(**{"slos": SLOS, **kwargs})
+
+
+def test_p99_criterion_reads_each_slo_metric_p99_and_failures():
+    settings = SearchSettings(1.0, 4.0, SLOS, criterion="p99")
+    good = {"completed": 10, "failed": 0, "p99_ttft_ms": 2000.0, "p99_tpot_ms": 49.0, "slo_attainment": 0.5}
+    assert step_passes(good, settings)  # attainment plays no part
+    assert not step_passes({**good, "p99_tpot_ms": 50.5}, settings)
+    assert not step_passes({**good, "failed": 1}, settings)
+    assert step_passes({**good, "p99_tpot_ms": None}, settings)  # one-token outputs have no TPOT
+    assert not step_passes({**good, "completed": 0, "failed": 0}, settings)
 
 
 def test_parse_search():
