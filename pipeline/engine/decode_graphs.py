@@ -11,8 +11,9 @@ scheduler hands out).
 
 Where Triton runs (CUDA), the forward instead uses the fused kernels of
 pipeline.kernels: rotary + cache write and paged attention that reads K/V in
-place, fused residual-add + RMSNorm and SiLU * up; about five small kernels
-per layer beside the matmuls instead of twenty.
+place (plus a small merge of its split-K partials), fused residual-add +
+RMSNorm and SiLU * up: six small kernels per layer beside the four matmuls,
+instead of about twenty.
 """
 
 from __future__ import annotations
