@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import numpy as np
@@ -112,18 +111,24 @@ def chat_with_image(port: int, max_tokens: int) -> dict:
         return json.load(response)
 
 
+@pytest.fixture(scope="module")
+def shape_cache(tmp_path_factory):
+    """One cache folder for the stack tests: the shape's folder is written once."""
+    return tmp_path_factory.mktemp("epd-cache")
+
+
 @pytest.mark.parametrize("layout", [["--encoders", "1"], ["--mode", "aggregated"]], ids=["epd", "aggregated"])
-def test_epd_launch_random_weights_answers_an_image_chat(tmp_path, layout):
+def test_epd_launch_random_weights_answers_an_image_chat(tmp_path, shape_cache, layout):
     port = free_port()
-    env = {**os.environ, "EPD_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "EPD_CACHE_DIR": str(shape_cache)}
     launcher = subprocess.Popen(
         [sys.executable, str(REPO / "bin" / "epd-launch"), "--random-weights", TINY_SHAPE, "--device", "cpu",
-         "--port", str(port), "--generators", "1", *layout, "--log-dir", str(tmp_path / "logs")],
+         "--port", str(port), "--generators", "1", *layout, "--log-dir", str(tmp_path / "logs"),
+         "--ready-timeout", "90"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
-        for line in launcher.stdout:
-            if line.startswith("EPD ready") or time.monotonic() > deadline:
+        for line in launcher.stdout:  # ends by itself: the launcher gives up after --ready-timeout
+            if line.startswith("EPD ready"):
                 break
         answer = chat_with_image(port, max_tokens=5)
         # 224x224 -> 16x16 patches -> 64 visual tokens, plus the template's text.
