@@ -310,9 +310,28 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, ou
                     with torch.inference_mode():
                         decode._forward(*key)
                 out[f"batch{batch}_profile"] = kernel_breakdown(graph.replay, eager)
+        out[f"batch{batch}_mixed_step_ms"] = _mixed_step_ms(engine, context * 4, steps)
         del engine
         torch.cuda.empty_cache()
     return out
+
+
+def _mixed_step_ms(engine: Engine, prompt_len: int, repeats: int) -> float:
+    """Median time of a step that prefills a new prompt's first chunk while
+    the running requests decode (a new prompt joins before each timed step)."""
+    from pipeline.processing.processor import MultimodalPrompt
+
+    times = []
+    for i in range(repeats // 4):
+        ids = [int(x) for x in np.random.default_rng(1000 + i).integers(0, 150000, prompt_len)]
+        engine.add_request(f"mixed{i}", MultimodalPrompt(ids, [], []), [], SamplingParams(max_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1000)
+        engine.abort(f"mixed{i}")
+    return float(np.median(times))
 
 
 def _failed(report: dict) -> list[str]:

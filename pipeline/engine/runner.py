@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.engine.decode_graphs import DecodeGraphs
+from pipeline.engine.mixed_attention import MixedStepAttention
 from pipeline.engine.paged_attention import PagedKVCache, ReferencePagedAttention, SequenceSlice, StepLayout
 from pipeline.engine.plan import Chunk, StepPlan
 from pipeline.engine.request import Request
@@ -60,8 +61,10 @@ class ModelRunner:
         for at, key, first, count in splices:
             embeds[at:at + count] = embeddings(key)[first:first + count].to(embeds.dtype)
         layout = StepLayout.build(slices, self.kv_cache.block_size, self.device)
-        hidden = self.model(embeds, torch.cat(positions, dim=1).to(self.device),
-                            ReferencePagedAttention(self.kv_cache, layout))
+        # The fast path's mixed steps batch their decode rows; the reference
+        # backend is what the equality tests pin.
+        backend = MixedStepAttention if self.decode is not None else ReferencePagedAttention
+        hidden = self.model(embeds, torch.cat(positions, dim=1).to(self.device), backend(self.kv_cache, layout))
         due = [c for c in plan.chunks if c.sample]
         rows = [s.offset + s.query_len - 1 for s, c in zip(slices, plan.chunks) if c.sample]
         logits = self.model.logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
