@@ -85,12 +85,17 @@ class DecodeGraphs:
         self.max_batch = _bucket(max_batch, 1)
         self.max_len = _bucket(max_len, min_len)
         max_blocks = -(-self.max_len // cache.block_size)
-        long = dict(dtype=torch.long, device=device)
-        self.token_ids = torch.zeros(self.max_batch, **long)
-        self.positions = torch.zeros(3, self.max_batch, **long)
-        self.slot_mapping = torch.zeros(self.max_batch, **long)
-        self.block_tables = torch.full((self.max_batch, max_blocks), null_block, **long)
-        self.lengths = torch.ones(self.max_batch, **long)
+        # Every per-step input lives in one device buffer, filled from one
+        # pinned host mirror by one copy: one transfer per step, not five.
+        mb = self.max_batch
+        self.header = 6 * mb   # token ids, 3 rows of positions, slots, lengths
+        size = self.header + mb * max_blocks
+        self.inputs = torch.zeros(size, dtype=torch.long, device=device)
+        self.staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.token_ids = self.inputs[0:mb]
+        self.positions = self.inputs[mb:4 * mb].view(3, mb)
+        self.slot_mapping = self.inputs[4 * mb:5 * mb]
+        self.lengths = self.inputs[5 * mb:6 * mb]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -112,28 +117,40 @@ class DecodeGraphs:
         return logits[:batch]
 
     def _fill(self, token_ids, positions, block_tables, context_lens, bb: int, lb: int) -> None:
-        """Copy one step's inputs into the static buffers. Of the block
-        tables only the columns a length-`lb` bucket reads are written: the
-        full width (max_len / block_size) would be megabytes per step."""
-        pad = bb - len(token_ids)
-        bs, null = self.cache.block_size, self.null_block
+        """Write one step's inputs into the pinned mirror, then copy them in
+        one transfer. Of the block tables only the [bb, cols] a length-`lb`
+        bucket reads are sent (the full width would be megabytes a step);
+        they sit contiguously after the header, as that bucket's graph views
+        them. Rows past the batch are padding: they point at the null block."""
+        n, mb, bs, null = len(token_ids), self.max_batch, self.cache.block_size, self.null_block
         cols = -(-lb // bs)
-        tables = [list(t[:cols]) + [null] * (cols - len(t[:cols])) for t in block_tables] + [[null] * cols] * pad
-        slots = [t[n // bs] * bs + n % bs for t, n in zip(block_tables, context_lens)] + [null * bs] * pad
-        pos = torch.zeros(3, bb, dtype=torch.long)
-        pos[:, :bb - pad] = positions
-        for dst, src in ((self.token_ids[:bb], list(token_ids) + [0] * pad), (self.positions[:, :bb], pos),
-                         (self.slot_mapping[:bb], slots), (self.block_tables[:bb, :cols], tables),
-                         (self.lengths[:bb], [n + 1 for n in context_lens] + [1] * pad)):
-            dst.copy_(torch.as_tensor(src, dtype=torch.long), non_blocking=True)
+        host = self.staging.numpy()
+        host[:self.header] = 0
+        host[0:n] = token_ids
+        host[mb:4 * mb].reshape(3, mb)[:, :n] = positions.cpu().numpy()
+        host[4 * mb:4 * mb + bb] = null * bs
+        host[4 * mb:4 * mb + n] = [t[c // bs] * bs + c % bs for t, c in zip(block_tables, context_lens)]
+        host[5 * mb:5 * mb + bb] = 1
+        host[5 * mb:5 * mb + n] = [c + 1 for c in context_lens]
+        tables = host[self.header:self.header + bb * cols].reshape(bb, cols)
+        tables[:] = null
+        for row, table in zip(tables, block_tables):
+            used = table[:cols]
+            row[:len(used)] = used
+        end = self.header + bb * cols
+        self.inputs[:end].copy_(self.staging[:end], non_blocking=True)
+
+    def _tables(self, bb: int, lb: int) -> torch.Tensor:
+        cols = -(-lb // self.cache.block_size)
+        return self.inputs[self.header:self.header + bb * cols].view(bb, cols)
 
     def _forward(self, bb: int, lb: int) -> torch.Tensor:
         if self.fused:
             from pipeline.kernels.paged_backend import TritonDecodeAttention  # triton only where it runs
-            attn = TritonDecodeAttention(self.cache, self.slot_mapping[:bb], self.block_tables[:bb],
+            attn = TritonDecodeAttention(self.cache, self.slot_mapping[:bb], self._tables(bb, lb),
                                          self.lengths[:bb], lb, self.num_sms)
         else:
-            attn = GatherDecodeAttention(self.cache, self.slot_mapping[:bb], self.block_tables[:bb],
+            attn = GatherDecodeAttention(self.cache, self.slot_mapping[:bb], self._tables(bb, lb),
                                          self.lengths[:bb], lb)
         hidden = self.model(self.model.embed(self.token_ids[:bb]), self.positions[:, :bb], attn)
         return self.model.logits(hidden)
