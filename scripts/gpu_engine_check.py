@@ -270,7 +270,7 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, ou
     tokenizer = Tokenizer.from_checkpoint(default_model_dir())  # only for the engine's text state
     for batch in batches:
         engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
-                                                       max_num_seqs=batch, kv_cache_bytes=8 << 30,
+                                                       max_num_seqs=batch + 1, kv_cache_bytes=8 << 30,
                                                        fast_decode=fast_decode), device)
         from pipeline.processing.processor import MultimodalPrompt
         for i in range(batch):
