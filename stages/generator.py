@@ -15,6 +15,7 @@ import queue
 import signal
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import zmq
@@ -89,21 +90,29 @@ def image_decoder(backend: str, device, model_dir: Path):
 
 
 def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
-            service: GeneratorService) -> None:
-    """Receiver thread: frames -> messages (and, in aggregated mode, decoded
-    images), so the engine thread never waits on a socket or a decoder."""
+            service: GeneratorService, replies: transport.Outbox) -> None:
+    """Receiver thread: frames -> messages for the engine thread, which never
+    waits on a socket. Stats requests are answered here, from the engine's
+    latest snapshot (with `replies`, this thread's own sockets). Aggregated-
+    mode images are decoded on a worker so this thread stays responsive."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    while not stop.is_set():
-        if not poller.poll(100):
-            continue
-        frame = sock.recv(copy=False)
-        try:
-            message = protocol.decode(frame.buffer)
-        except (ValueError, TypeError):
-            log.warning("dropped a frame that is not a declared message")
-            continue
-        inbound.put(service.prepare(message))
+    with ThreadPoolExecutor(1, "image-decode") as decoder:
+        while not stop.is_set():
+            if not poller.poll(100):
+                continue
+            frame = sock.recv(copy=False)
+            try:
+                message = protocol.decode(frame.buffer)
+            except (ValueError, TypeError):
+                log.warning("dropped a frame that is not a declared message")
+                continue
+            if isinstance(message, protocol.StatsRequest):
+                replies.try_send(message.reply_to, service.latest_stats)
+            elif isinstance(message, protocol.GenerateRequest) and message.media:
+                decoder.submit(lambda m=message: inbound.put(service.prepare(m)))
+            else:
+                inbound.put(message)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     inbound: queue.SimpleQueue = queue.SimpleQueue()
-    receiver = threading.Thread(target=receive, args=(inbox, inbound, stop, service), name="receiver", daemon=True)
+    replies = transport.Outbox(ctx)
+    receiver = threading.Thread(target=receive, args=(inbox, inbound, stop, service, replies), name="receiver",
+                                daemon=True)
     receiver.start()
     log.info("generator %s ready on %s (mode %s, device %s)", args.instance, args.address, args.mode,
              service.device)
@@ -130,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop.set()
         receiver.join(timeout=2)
+        replies.close()
         inbox.close()
         outbox.close()
         ctx.term()

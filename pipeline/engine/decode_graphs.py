@@ -116,6 +116,31 @@ class DecodeGraphs:
         graph.replay()
         return logits[:batch]
 
+    def capture_up_to(self, max_len: int) -> int:
+        """Capture every (batch, length) bucket up to `max_len` now, at start
+        up: a first capture (and a first Triton compile) costs up to seconds,
+        which mid-serving would stall every request in the batch. Returns the
+        number of graphs captured."""
+        if not self.use_graphs:
+            return 0
+        lengths, batches = [], []
+        length = self.min_len
+        while length <= min(max_len, self.max_len):
+            lengths.append(length)
+            length *= 2
+        batch = 1
+        while batch <= self.max_batch:
+            batches.append(batch)
+            batch *= 2
+        for bb in batches:
+            for lb in lengths:
+                if (bb, lb) not in self.graphs:
+                    # Padding rows only: every row reads and writes the null block.
+                    self._fill([], torch.zeros(3, 0, dtype=torch.long), [], [], bb, lb)
+                    self.graphs[(bb, lb)] = self._capture(bb, lb)
+        torch.cuda.synchronize(self.device)
+        return len(self.graphs)
+
     def _fill(self, token_ids, positions, block_tables, context_lens, bb: int, lb: int) -> None:
         """Write one step's inputs into the pinned mirror, then copy them in
         one transfer. Of the block tables only the [bb, cols] a length-`lb`

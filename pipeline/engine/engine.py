@@ -8,6 +8,7 @@ ships its outputs.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ from pipeline.engine.scheduler import Scheduler
 from pipeline.processing.processor import MultimodalPrompt
 from pipeline.processing.tokenizer import Tokenizer
 
+log = logging.getLogger("epd.engine")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -41,6 +44,9 @@ class EngineConfig:
     # Pure-decode steps through static buffers and one batched attention per
     # layer, captured as CUDA graphs on a GPU. None: on for CUDA, off for CPU.
     fast_decode: bool | None = None
+    # Decode graphs for contexts up to this many tokens are captured when the
+    # engine starts, longer ones on first use.
+    capture_decode_len: int = 4096
 
 
 @dataclass
@@ -77,6 +83,10 @@ class Engine:
             model.fuse()
             max_len = min(text.max_position_embeddings, num_blocks * config.block_size)
             decode = DecodeGraphs(model, kv, num_blocks, config.max_num_seqs, max_len, device, use_graphs=True)
+            started = time.monotonic()
+            captured = decode.capture_up_to(config.capture_decode_len)
+            if captured:
+                log.info("captured %d decode graphs in %.1f s", captured, time.monotonic() - started)
         self.runner = ModelRunner(model, kv, device, decode)
         self.live: dict[str, _Live] = {}
         self.pending_embeddings: dict[str, tuple[torch.Tensor, float]] = {}

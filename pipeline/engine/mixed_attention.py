@@ -53,9 +53,14 @@ class MixedStepAttention(ReferencePagedAttention):
                                                       scale=q.shape[-1] ** -0.5,
                                                       enable_gqa=keys.shape[1] != q.shape[1])
             out.index_copy_(0, self.decode_rows, attended[:, :, 0, :])
+        group = q.shape[1] // k.shape[1]
         for seq, slots in self.chunks:
-            keys = k_slots.index_select(0, slots).transpose(0, 1)[None]
-            values = v_slots.index_select(0, slots).transpose(0, 1)[None]
+            # Heads repeated for grouped queries: SDPA's flash kernel takes
+            # equal head counts, while `enable_gqa` can fall back to the
+            # math kernel, whose [heads, n, n] scores cost tens of ms per
+            # 2k-token prefill.
+            keys = k_slots.index_select(0, slots).transpose(0, 1).repeat_interleave(group, 0)[None]
+            values = v_slots.index_select(0, slots).transpose(0, 1).repeat_interleave(group, 0)[None]
             query = q[seq.offset:seq.offset + seq.query_len].transpose(0, 1)[None]
             out[seq.offset:seq.offset + seq.query_len] = causal_attention(
                 query, keys, values, seq.context_len)[0].transpose(0, 1)

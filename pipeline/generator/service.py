@@ -28,6 +28,9 @@ from pipeline.processing.processor import MultimodalPrompt
 log = logging.getLogger("epd.generator")
 
 
+STATS_REFRESH_S = 0.05   # how stale the stats the receiver thread answers with may be
+
+
 @dataclass(frozen=True)
 class PreparedRequest:
     """Aggregated mode: a generate request whose images the receiver thread
@@ -68,6 +71,11 @@ class GeneratorService:
         self.copies: list = []   # (PendingRead, EmbeddingReady, encoder address) not yet released
         self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0}
         self._last_heartbeat = 0.0
+        # Refreshed by the engine thread each loop; the receiver thread answers
+        # stats requests with it, so a long step (a first compile, a big
+        # prefill) never makes this generator look dead to the proxy.
+        self.latest_stats = self.stats()
+        self._stats_at = time.monotonic()
 
     # ----------------------------------------------------------------- loop
 
@@ -82,6 +90,7 @@ class GeneratorService:
             self._finish_copies()
             self._expire_overdue()
             self._heartbeat()
+            self._refresh_stats()
             if self.engine.has_work():
                 for output in self.engine.step():
                     self._emit(output)
@@ -264,6 +273,12 @@ class GeneratorService:
             self._last_heartbeat = now
             for address in self.encoders:
                 self.send(address, protocol.Heartbeat(self.address, time.time()))
+
+    def _refresh_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._stats_at >= STATS_REFRESH_S:
+            self._stats_at = now
+            self.latest_stats = self.stats()
 
     def stats(self) -> protocol.StageStats:
         scheduler = self.engine.scheduler
