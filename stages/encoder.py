@@ -16,6 +16,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 import zmq
 import zmq.asyncio
 
@@ -57,6 +58,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
+    if device.type == "cuda":
+        # Kernels, graphs and Triton launch on the current device's streams:
+        # it must be ours, not cuda:0, for a stage placed on another GPU.
+        torch.cuda.set_device(device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     model_dir = stage_model_dir(args.model, args.random_weights)
     tower = load_stage_model(model_dir, args.random_weights, dtype, device, part="visual")

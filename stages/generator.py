@@ -18,6 +18,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 import zmq
 
 from pipeline import protocol, transport
@@ -61,6 +62,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def build_service(args: argparse.Namespace, send) -> GeneratorService:
     device = resolve_device(args.device)
+    if device.type == "cuda":
+        # Kernels, graphs and Triton launch on the current device's streams:
+        # it must be ours, not cuda:0, for a stage placed on another GPU.
+        torch.cuda.set_device(device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     model_dir = stage_model_dir(args.model, args.random_weights)
     aggregated = args.mode == "aggregated"

@@ -181,6 +181,9 @@ class DecodeGraphs:
         return self.model.logits(hidden)
 
     def _capture(self, bb: int, lb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if self.device.index is not None and torch.cuda.current_device() != self.device.index:
+            raise RuntimeError(f"decode graphs for {self.device} must be captured with it as the current "
+                               "device (torch.cuda.set_device)")
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
