@@ -16,6 +16,7 @@ import torch
 
 from pipeline.engine.decode_graphs import DecodeGraphs
 from pipeline.engine.kv_blocks import num_blocks_for_memory
+from pipeline.engine.mixed_graphs import MixedGraphs
 from pipeline.engine.output import RequestOutput, TextState
 from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.engine.plan import FinishedRequest, SchedulerConfig
@@ -47,6 +48,11 @@ class EngineConfig:
     # Decode graphs for contexts up to this many tokens are captured when the
     # engine starts, longer ones on first use.
     capture_decode_len: int = 4096
+    # Mixed steps (prefill chunks beside decodes) through the fused Triton
+    # forward, one CUDA graph per token bucket captured at start-up. None: on
+    # wherever fast decode runs the Triton kernels (CUDA); True elsewhere
+    # needs TRITON_INTERPRET=1 (tests on the CPU).
+    fast_mixed: bool | None = None
 
 
 @dataclass
@@ -87,12 +93,29 @@ class Engine:
             captured = decode.capture_up_to(config.capture_decode_len)
             if captured:
                 log.info("captured %d decode graphs in %.1f s", captured, time.monotonic() - started)
-        self.runner = ModelRunner(model, kv, device, decode)
+        self.runner = ModelRunner(model, kv, device, decode, self._mixed(model, kv, num_blocks, decode, device))
         self.live: dict[str, _Live] = {}
         self.pending_embeddings: dict[str, tuple[torch.Tensor, float]] = {}
         self.refetch: list[str] = []
         self.last_step_idle = False   # the last step ran nothing (every request waits on images)
         self._arrivals = 0
+
+    def _mixed(self, model, kv: PagedKVCache, num_blocks: int, decode: DecodeGraphs | None,
+               device: torch.device) -> MixedGraphs | None:
+        config = self.config
+        if config.fast_mixed is False or (config.fast_mixed is None and (decode is None or not decode.fused)):
+            return None
+        if decode is None:
+            raise ValueError("fast_mixed needs fast_decode (the fused projections and the null block)")
+        text = model.cfg.text
+        max_len = min(text.max_position_embeddings, num_blocks * config.block_size)
+        mixed = MixedGraphs(model, kv, num_blocks, config.max_num_batched_tokens, config.max_num_seqs, max_len,
+                            device, use_graphs=True)
+        started = time.monotonic()
+        captured = mixed.capture_all()
+        if captured:
+            log.info("captured %d mixed-step graphs in %.1f s", captured, time.monotonic() - started)
+        return mixed
 
     # ---------------------------------------------------------------- inputs
 

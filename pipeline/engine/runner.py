@@ -10,6 +10,7 @@ import torch
 
 from pipeline.engine.decode_graphs import DecodeGraphs
 from pipeline.engine.mixed_attention import MixedStepAttention
+from pipeline.engine.mixed_graphs import MixedGraphs
 from pipeline.engine.paged_attention import PagedKVCache, ReferencePagedAttention, SequenceSlice, StepLayout
 from pipeline.engine.plan import Chunk, StepPlan
 from pipeline.engine.request import Request
@@ -26,11 +27,12 @@ class PromptGeometry:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                 decode: DecodeGraphs | None = None) -> None:
+                 decode: DecodeGraphs | None = None, mixed: MixedGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.decode = decode
+        self.mixed = mixed
 
     @torch.inference_mode()
     def encode_images(self, inputs: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
@@ -57,6 +59,11 @@ class ModelRunner:
                 lo, hi = max(chunk.start, span.start), min(chunk.end, span.end)
                 splices.append((offset + lo - chunk.start, span.key, lo - span.start, hi - lo))
             offset += chunk.num_tokens
+        due = [c for c in plan.chunks if c.sample]
+        rows = [s.offset + s.query_len - 1 for s, c in zip(slices, plan.chunks) if c.sample]
+        if self.mixed is not None:
+            pieces = [(at, embeddings(key)[first:first + count]) for at, key, first, count in splices]
+            return due, self.mixed.run(ids, torch.cat(positions, dim=1), slices, pieces, rows)
         embeds = self.model.embed(torch.tensor(ids, device=self.device))
         for at, key, first, count in splices:
             embeds[at:at + count] = embeddings(key)[first:first + count].to(embeds.dtype)
@@ -65,8 +72,6 @@ class ModelRunner:
         # backend is what the equality tests pin.
         backend = MixedStepAttention if self.decode is not None else ReferencePagedAttention
         hidden = self.model(embeds, torch.cat(positions, dim=1).to(self.device), backend(self.kv_cache, layout))
-        due = [c for c in plan.chunks if c.sample]
-        rows = [s.offset + s.query_len - 1 for s, c in zip(slices, plan.chunks) if c.sample]
         logits = self.model.logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
         return due, logits
 

@@ -26,6 +26,28 @@ from pipeline.kernels import next_power_of_2
 
 
 @triton.jit
+def attend_tile(q, k_ptr, v_ptr, table_ptr, pos, valid, visible, m, l, acc, scale, cache_stride, kv_head, d, d_mask,
+                HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step of q's rows over a tile of keys at positions
+    `pos` of one sequence (`table_ptr`: its block table row), loaded where
+    `valid`, scored where `visible` ([rows, tile], broadcastable). Returns
+    the updated running max, sum and unnormalised output."""
+    page = tl.load(table_ptr + pos // PAGE, mask=valid, other=0)
+    rows = (page * PAGE + pos % PAGE) * cache_stride + kv_head * HEAD_DIM
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, acc_ptr, stats_ptr, scale,
                   q_stride, cache_stride, table_stride,
                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -50,19 +72,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, acc_ptr
     for first in range(start, end, BLOCK_N):
         pos = first + n
         valid = pos < end
-        page = tl.load(tables_ptr + seq * table_stride + pos // PAGE, mask=valid, other=0)
-        rows = (page * PAGE + pos % PAGE) * cache_stride + kv_head * HEAD_DIM
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = attend_tile(q, k_ptr, v_ptr, tables_ptr + seq * table_stride, pos, valid, valid[None, :],
+                                m, l, acc, scale, cache_stride, kv_head, d, d_mask, HEAD_DIM, PAGE, PRECISION)
     if NUM_SPLITS == 1:
         out = acc / l[:, None]
         tl.store(out_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + d[None, :],

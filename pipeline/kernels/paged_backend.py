@@ -1,6 +1,7 @@
-"""The fast-decode attention backend on the Triton kernels: the counterpart
-of GatherDecodeAttention (same inputs, one query per row), and the carrier
-of the fused norm/activation ops for the rest of the decoder layer.
+"""The fast attention backends on the Triton kernels: for decode steps the
+counterpart of GatherDecodeAttention (same inputs, one query per row), for
+mixed steps the unified kernel over many sequences; each also carries the
+fused norm/activation ops for the rest of the decoder layer.
 
 Per layer it runs two kernels where the gather backend ran about a dozen:
 rotary + K/V cache write, then paged attention reading K/V in place.
@@ -14,6 +15,7 @@ from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.kernels.decode_attention import paged_decode_attention, plan_splits
 from pipeline.kernels.ops import TritonLayerOps
 from pipeline.kernels.rotary_kv import rotary_kv_write
+from pipeline.kernels.unified_attention import unified_attention
 from pipeline.models.attention import AttentionBackend
 from pipeline.models.layers import LayerOps
 
@@ -50,3 +52,33 @@ class TritonDecodeAttention(AttentionBackend):
     def _attention(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         return paged_decode_attention(q, k_slots, v_slots, self.block_tables, self.lengths,
                                       self.cache.block_size, self.num_splits, self.split_len)
+
+
+class TritonMixedAttention(AttentionBackend):
+    """A mixed step's tokens (prefill chunks and decodes of many sequences,
+    laid end to end) through the unified kernel: new K/V to slot_mapping,
+    then causal paged attention per sequence. Every input is a device
+    tensor of fixed size per token bucket (see MixedGraphs), so the launches
+    are capturable."""
+
+    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 table_stride: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
+                 programs: torch.Tensor) -> None:
+        self.cache = cache
+        self.slot_mapping = slot_mapping
+        self.inputs = (block_tables, table_stride, cu_seqlens, context_lens, programs)
+        self.ops = TritonLayerOps()
+
+    def attend(self, layer, q, k, v):
+        k_slots, v_slots = self.cache.layer_slots(layer)
+        k_slots.index_copy_(0, self.slot_mapping, k)
+        v_slots.index_copy_(0, self.slot_mapping, v)
+        return unified_attention(q.contiguous(), k_slots, v_slots, *self.inputs, self.cache.block_size)
+
+    def attend_packed(self, layer, qkv, cos, sin, heads):
+        k_slots, v_slots = self.cache.layer_slots(layer)
+        q = rotary_kv_write(qkv, cos, sin, heads, k_slots, v_slots, self.slot_mapping)
+        return unified_attention(q, k_slots, v_slots, *self.inputs, self.cache.block_size)
+
+    def layer_ops(self) -> LayerOps:
+        return self.ops
