@@ -165,8 +165,17 @@ def test_epd_and_aggregated_generators_match_offline_generation(stages, tiny_dir
         assert gen.counters["yields"] >= 0
         enc = proxy.stats("enc")
         assert enc.gauges["arena_leases"] == 0
+        # An abort right behind an aggregated-mode request (whose images are
+        # still being decoded) still stops it.
+        big = image_bytes(random_image(1400, 1400, seed=5), "PNG")   # slow to decode: the abort overtakes it
+        proxy.request("agg-gone", "Go on.", [big], "agg", max_tokens=1000)
+        proxy.out.send(addr["agg"], protocol.AbortRequest(("agg-gone",)))
+        proxy.request("agg-after", "Next.", [], "agg")
+        tokens, _ = proxy.collect(["agg-after"])
+        assert len(tokens["agg-after"]) == MAX_TOKENS
+        time.sleep(1.0)
         agg = proxy.stats("agg")
-        assert agg.gauges["kv_blocks_used"] == 0
+        assert agg.gauges["kv_blocks_used"] == 0 and agg.gauges["running"] == 0
     except Exception:
         print(log_path.read_text()[-4000:])
         raise

@@ -29,6 +29,7 @@ log = logging.getLogger("epd.generator")
 
 
 STATS_REFRESH_S = 0.05   # how stale the stats the receiver thread answers with may be
+ABORT_MEMORY_S = 60.0    # how long an abort waits for a request that has not arrived
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class GeneratorService:
         self.encoder_addresses: dict[str, str] = {}  # encoder id -> inbox address, from announcements
         self.encoder_arenas: dict[str, str] = {}     # encoder id -> the arena it announced last
         self.waiting_for_arena: list[protocol.EmbeddingReady] = []
+        self.aborted_early: dict[str, float] = {}   # request id -> when its abort overtook it
         self.copies: list = []   # (PendingRead, EmbeddingReady, encoder address) not yet released
         self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0}
         self._last_heartbeat = 0.0
@@ -136,8 +138,12 @@ class GeneratorService:
                            500 if message.retryable else 400)
         elif isinstance(message, protocol.AbortRequest):
             for request_id in message.request_ids:
+                if self.tracked.pop(request_id, None) is None:
+                    # Not here yet: an aggregated-mode request is still having
+                    # its images decoded on the receiver's worker. Drop it
+                    # when it comes.
+                    self.aborted_early[request_id] = time.monotonic()
                 self.engine.abort(request_id)
-                self.tracked.pop(request_id, None)
         elif isinstance(message, protocol.EncoderAnnounce):
             self.encoder_addresses[message.encoder_id] = message.address
             previous = self.encoder_arenas.get(message.encoder_id)
@@ -154,6 +160,8 @@ class GeneratorService:
             log.warning("ignoring unexpected %s", type(message).__name__)
 
     def _on_generate(self, req: protocol.GenerateRequest, inputs: list | None = None, error: str = "") -> None:
+        if self.aborted_early.pop(req.request_id, None) is not None:
+            return
         self.counters["requests"] += 1
         s = req.sampling
         try:
@@ -237,6 +245,9 @@ class GeneratorService:
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()
+        for request_id, since in list(self.aborted_early.items()):
+            if now - since > ABORT_MEMORY_S:   # an abort for a request that never came
+                del self.aborted_early[request_id]
         for request_id, tracked in list(self.tracked.items()):
             if tracked.missing and now > tracked.deadline:
                 self._fail(request_id, f"image embedding did not arrive within {self.embedding_timeout:g} s",
