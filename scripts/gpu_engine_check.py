@@ -4,14 +4,17 @@
 1. correctness: the tiny checkpoint in float32 on CUDA, several requests with
    images batched through the engine, equal to offline greedy generation of
    each alone on the same device;
-   kernels: each fused Triton kernel of the fast-decode path against its
-   PyTorch reference at 3B sizes, and one decode step of the 3B-shaped
-   model (bf16) through the fused path against the reference backend;
+   kernels: each fused Triton kernel of the fast paths against its
+   PyTorch reference at 3B sizes, and one decode step and one mixed step
+   (chunks beside decodes, captured) of the 3B-shaped model (bf16) through
+   the fused path against the reference backend;
 2. speed: decode step time at batch 1 and 32 for a Qwen2.5-VL-3B-shaped
    language model with random weights (made on the GPU), with the reference
    attention backend, beside the weight-read floor (weight bytes / measured
    device copy bandwidth), all in this one run; for the fast path also the
-   graph replay alone and the top CUDA kernels of one replay (torch.profiler).
+   graph replay alone and the top CUDA kernels of one replay (torch.profiler);
+   a mixed step (a 2048-token prompt joining the batch), on the fast path
+   both captured and through the eager batched path it replaced.
 
     timeout 1500 python scripts/gpu_engine_check.py [--json out.json] [--modes ...]
 
@@ -47,6 +50,7 @@ from pipeline.processing.image import preprocess_images  # noqa: E402
 from pipeline.processing.processor import Processor  # noqa: E402
 from pipeline.processing.tokenizer import Tokenizer  # noqa: E402
 from pipeline.engine.request import SamplingParams  # noqa: E402
+from gpu_mixed_check import fused_mixed_equality, mixed_step_timings, unified_equality  # noqa: E402
 
 
 def attention_equality(device: torch.device) -> dict:
@@ -126,6 +130,7 @@ def kernel_equality(device: torch.device) -> dict:
                          ("one_split", (1, 1024))):
         got = decode_attention.paged_decode_attention(q, *caches, tables, lengths, 16, *splits)
         out[f"paged_attention_{name}"] = dict(_compare(got, want), splits=splits[0])
+    out.update(unified_equality(device, _compare))
     return out
 
 
@@ -310,34 +315,17 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, ou
                     with torch.inference_mode():
                         decode._forward(*key)
                 out[f"batch{batch}_profile"] = kernel_breakdown(graph.replay, eager)
-        out[f"batch{batch}_mixed_step_ms"] = _mixed_step_ms(engine, context * 4, steps)
+        out.update(mixed_step_timings(engine, context * 4, steps, batch))
         del engine
         torch.cuda.empty_cache()
     return out
 
 
-def _mixed_step_ms(engine: Engine, prompt_len: int, repeats: int) -> float:
-    """Median time of a step that prefills a new prompt's first chunk while
-    the running requests decode (a new prompt joins before each timed step)."""
-    from pipeline.processing.processor import MultimodalPrompt
-
-    times = []
-    for i in range(repeats // 4):
-        ids = [int(x) for x in np.random.default_rng(1000 + i).integers(0, 150000, prompt_len)]
-        engine.add_request(f"mixed{i}", MultimodalPrompt(ids, [], []), [], SamplingParams(max_tokens=1, ignore_eos=True))
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1000)
-        engine.abort(f"mixed{i}")
-    return float(np.median(times))
-
-
 def _failed(report: dict) -> list[str]:
     """Names of the checks that failed or raised."""
     bad = [k for k, v in report.items() if isinstance(v, dict) and "error" in v]
-    bad += [k for k in ("attention_equality", "fused_decode_equality") if not report.get(k, {}).get("ok", True)]
+    bad += [k for k in ("attention_equality", "fused_decode_equality", "fused_mixed_equality")
+            if not report.get(k, {}).get("ok", True)]
     bad += [f"kernel_equality.{k}" for k, v in report.get("kernel_equality", {}).items()
             if isinstance(v, dict) and not v["ok"]]
     bad += [f"correctness.{k}" for k, v in report.get("correctness", {}).items()
@@ -354,13 +342,14 @@ def _sections(device: torch.device, modes: list[str], batches: list[int], report
     if "kernels" in modes:
         yield "kernel_equality", lambda: kernel_equality(device)
 
-        def fused_model():
+        def fused_model(check):
             model = random_model("qwen2.5-vl-3b", torch.bfloat16, device).model
             exact = copy.deepcopy(model).float()
             exact.reset_buffers()  # rotary tables in float32, as a float32 model makes them
             model.fuse()
-            return fused_decode_equality(model, exact, device)
-        yield "fused_decode_equality", fused_model
+            return check(model, exact, device)
+        yield "fused_decode_equality", lambda: fused_model(fused_decode_equality)
+        yield "fused_mixed_equality", lambda: fused_model(fused_mixed_equality)
     for mode, fast in (("reference", False), ("fast_decode", True)):
         if mode in modes:
             out = report.setdefault(f"decode_{mode}", {})

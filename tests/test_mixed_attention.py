@@ -37,3 +37,12 @@ def test_mixed_step_attention_matches_the_reference():
     assert torch.equal(ref_k, got_k) and torch.equal(ref_v, got_v)   # same cache writes
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert not torch.equal(ref[0], ref[5])   # rows differ: the comparison means something
+
+
+def test_mixed_step_token_buckets():
+    """Powers of two up to 512 tokens, then steps of 512: a full chunk beside
+    a few decodes pads by less than 512 rows."""
+    from pipeline.engine.mixed_graphs import token_bucket
+
+    assert [token_bucket(n, 16) for n in (1, 16, 17, 300, 512, 513, 2048, 2080, 8192)] == \
+        [16, 16, 32, 512, 512, 1024, 2048, 2560, 8192]

@@ -22,8 +22,23 @@ import numpy as np
 import torch
 
 from pipeline import kernels
-from pipeline.engine.decode_graphs import _bucket, capture_graph
+from pipeline.engine.decode_graphs import capture_graph
 from pipeline.engine.paged_attention import PagedKVCache, SequenceSlice
+
+COARSE = 512   # above this many tokens, buckets step by it rather than doubling
+
+
+def token_bucket(n: int, minimum: int) -> int:
+    """The bucket of a step of n tokens: powers of two from `minimum` up to
+    COARSE, then multiples of COARSE, so a full 2048-token chunk beside a
+    few decodes pads by at most COARSE, not by another 2048 (whose GEMMs
+    would cost as much as the real rows)."""
+    if n > COARSE:
+        return -(-n // COARSE) * COARSE
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
 
 
 class MixedGraphs:
@@ -44,7 +59,7 @@ class MixedGraphs:
         self.model, self.cache, self.null_block, self.device = model, cache, null_block, device
         self.use_graphs = use_graphs and device.type == "cuda"
         self.min_tokens = min_tokens
-        self.max_tokens = _bucket(max_tokens, min_tokens)
+        self.max_tokens = token_bucket(max_tokens, min_tokens)
         self.max_seqs = max_seqs
         self.max_blocks = -(-max_len // cache.block_size)
         self._allocate(text.hidden_size, next(model.parameters()).dtype)
@@ -69,6 +84,9 @@ class MixedGraphs:
         self.inputs = torch.zeros(size, dtype=torch.long, device=self.device)
         self.staging = torch.zeros(size, dtype=torch.long, pin_memory=pinned)
         self.embeds = torch.zeros(mt, hidden, dtype=dtype, device=self.device)
+        # Marks the last copy out of the pinned mirror: the host may not
+        # rewrite the mirror while that copy can still be reading it.
+        self.copied = torch.cuda.Event() if pinned else None
 
     def _view(self, name: str, tensor: torch.Tensor | None = None):
         lo, hi = self.at[name]
@@ -83,7 +101,7 @@ class MixedGraphs:
         if tokens > self.max_tokens or len(slices) > self.max_seqs:
             raise ValueError(f"mixed step of {tokens} tokens over {len(slices)} sequences exceeds the "
                              f"limits ({self.max_tokens}, {self.max_seqs})")
-        tb = _bucket(tokens, self.min_tokens)
+        tb = token_bucket(tokens, self.min_tokens)
         self._fill(token_ids, positions, slices, sample_rows, tb)
         self.embeds[:tb].copy_(self.model.embed(self._view("ids")[:tb]))
         for row, embedding in splices:
@@ -107,7 +125,7 @@ class MixedGraphs:
             if tb not in self.graphs:
                 self._fill([], torch.zeros(3, 0, dtype=torch.long), [], [], tb)   # padding only
                 self.graphs[tb] = capture_graph(self.device, self.pool, lambda: self._forward(tb))
-            tb *= 2
+            tb = token_bucket(tb + 1, self.min_tokens)
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
 
@@ -115,6 +133,8 @@ class MixedGraphs:
         """Write one step's inputs into the pinned mirror and send them in
         one copy: the header, then the block tables at the step's width."""
         n, bs, null = len(token_ids), self.cache.block_size, self.null_block
+        if self.copied is not None:
+            self.copied.synchronize()
         host = self.staging.numpy()
         host[:self.header] = 0
         query = np.array([s.query_len for s in slices] + [tb - n], dtype=np.int64)   # + the padding sequence
@@ -128,7 +148,7 @@ class MixedGraphs:
             used = s.block_table[:width]
             row[:len(used)] = used
         self._view("ids", host)[:n] = token_ids
-        self._view("positions", host).reshape(3, -1)[:, :n] = positions.numpy()
+        self._view("positions", host).reshape(3, -1)[:, :n] = positions.cpu().numpy()
         slots = self._view("slots", host)
         slots[:tb] = null * bs + np.arange(tb) % bs
         if n:
@@ -144,6 +164,8 @@ class MixedGraphs:
         self.plan.plan_programs(query, self.per_program, self._programs(tb, host))
         end = self.header + len(slices) * width
         self.inputs[:end].copy_(self.staging[:end], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
     def _programs(self, tb: int, source: torch.Tensor | np.ndarray | None = None):
         count = self.plan.max_programs(tb, self.max_seqs, self.per_program)

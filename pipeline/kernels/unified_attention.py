@@ -57,7 +57,7 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, stride_ptr, cu_ptr
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
     pos = ctx + tok
     # Keys up to the program's last query position; none for padding (ctx < 0).
-    end = tl.where(ctx < 0, 0, ctx + tl.minimum(first_q + BLOCK_Q, q_len))
+    end = tl.where(ctx < 0, 0, ctx + tl.minimum(first_q + BLOCK_Q, q_len)).to(tl.int32)
     m = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32) - float("inf")
     l = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -121,7 +121,7 @@ def unified_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Ten
         q.stride(0), k_slots.stride(0),
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE=page, BLOCK_Q=per_program, BLOCK_G=group,
         BLOCK_D=max(16, next_power_of_2(dim)), BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8 if dim >= 128 else 4)
     return out
 
 
