@@ -203,7 +203,7 @@ def correctness(device: torch.device, fast_decode: bool) -> dict:
         pix = torch.cat([p for p, _ in inputs]) if inputs else None
         expected[rid] = greedy_generate(loaded.model, prompt, pix, GenerationLimits(16, frozenset(), True))
     engine = Engine(loaded.model, processor.tokenizer,
-                    EngineConfig(max_num_batched_tokens=128, fast_decode=fast_decode), device)
+                    EngineConfig(max_num_batched_tokens=128, fast_decode=fast_decode, fast_mixed=None), device)
     got = {rid: [] for rid in requests}
     for rid, (prompt, inputs) in requests.items():
         keys = [f"{rid}-{j}" for j in range(len(inputs))]
@@ -276,7 +276,7 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, ou
     for batch in batches:
         engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
                                                        max_num_seqs=batch + 1, kv_cache_bytes=8 << 30,
-                                                       fast_decode=fast_decode), device)
+                                                       fast_decode=fast_decode, fast_mixed=None), device)
         from pipeline.processing.processor import MultimodalPrompt
         for i in range(batch):
             ids = list(np.random.default_rng(i).integers(0, 150000, context))
