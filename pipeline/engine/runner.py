@@ -79,8 +79,8 @@ class ModelRunner:
                 geometry: dict[str, PromptGeometry]) -> torch.Tensor:
         chunks = plan.chunks
         reqs = [requests[c.request_id] for c in chunks]
-        positions = torch.cat([self.model.decode_positions(c.start, 1, geometry[c.request_id].delta)
-                               for c in chunks], dim=1)
+        positions = self.model.decode_step_positions([c.start for c in chunks],
+                                                     [geometry[c.request_id].delta for c in chunks])
         return self.decode.run([r.token_ids_between(c.start, c.end)[0] for r, c in zip(reqs, chunks)], positions,
                                [r.block_ids for r in reqs], [c.start for c in chunks])
 

@@ -59,6 +59,10 @@ class Qwen25VL(nn.Module):
     def decode_positions(self, first_index: int, count: int, delta: int) -> torch.Tensor:
         return mrope.decode_positions(first_index, count, delta)
 
+    def decode_step_positions(self, indices: list[int], deltas: list[int]) -> torch.Tensor:
+        """One decode token per request (a batched decode step), in one tensor."""
+        return mrope.decode_step_positions(indices, deltas)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.cfg.text.tie_word_embeddings else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight)

@@ -49,5 +49,11 @@ def decode_positions(first_index: int, count: int, delta: int) -> torch.Tensor:
     return (torch.arange(first_index, first_index + count) + delta).view(1, -1).expand(3, -1)
 
 
+def decode_step_positions(indices: list[int], deltas: list[int]) -> torch.Tensor:
+    """Positions [3, n] of one decode token for each of n requests: token
+    indices[i] of request i, whose prompt has decode delta deltas[i]."""
+    return torch.tensor([i + d for i, d in zip(indices, deltas)]).view(1, -1).expand(3, -1)
+
+
 def _text(n: int, start: int) -> torch.Tensor:
     return (torch.arange(n) + start).view(1, -1).expand(3, -1)
