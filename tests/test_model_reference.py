@@ -126,3 +126,12 @@ def test_epd_generate_matches_reference_greedy(name, num_images, checkpoint_dirs
     assert len(expected) == 20
     assert got["token_ids"] == expected
     assert got["text"] == ref.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_batched_decode_positions_equal_one_request_at_a_time():
+    from pipeline.models.qwen2_5_vl import positions
+
+    indices, deltas = [5, 130, 7, 0], [0, -40, 12, 3]
+    one_by_one = torch.cat([positions.decode_positions(i, 1, d) for i, d in zip(indices, deltas)], dim=1)
+    assert torch.equal(positions.decode_step_positions(indices, deltas), one_by_one)
+    assert one_by_one[:, 1].tolist() == [90, 90, 90]
