@@ -67,6 +67,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpus", default="0,1")
     p.add_argument("--stage-arg", action="append", default=None, metavar="ROLE=ARG",
                    help=f"epd-launch --stage-arg; replaces the defaults {' '.join(GPU_STAGE_ARGS)}")
+    p.add_argument("--text-only-fraction", type=float, default=0.0,
+                   help="share of requests without images (results split by class)")
+    p.add_argument("--fixed-rate", type=float, metavar="R",
+                   help="one run at R requests/s (e.g. aggregated's maximum) instead of the search")
     p.add_argument("--tiny", action="store_true", help="the built-in tiny model on the CPU (smoke test)")
     args = p.parse_args(argv)
     args.configs = args.configs.split(",")
@@ -91,17 +95,23 @@ def workload_args(args: argparse.Namespace) -> list[str]:
     size = args.image_size
     return ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--random-mm-base-items-per-request", str(args.images),
-            "--random-mm-bucket-config", f"{{({size}, {size}, 1): 1.0}}", "--no-progress"]
+            "--random-mm-bucket-config", f"{{({size}, {size}, 1): 1.0}}", "--no-progress",
+            "--text-only-fraction", f"{args.text_only_fraction:g}"]
 
 
 def search_args(config: str, args: argparse.Namespace, base_url: str, search_s: float) -> list[str]:
     # Half of each step's share of the time for arrivals, half for draining
     # the queue an overloaded rate builds up.
     step_s = min(30.0, max(3.0, search_s / args.steps / 2))
+    slos = ["--goodput", f"ttft:{args.slo_ttft_ms:g}", f"tpot:{args.slo_tpot_ms:g}"]
+    if args.fixed_rate:
+        # Half the time for arrivals, half for the queue to drain.
+        prompts = max(10, min(args.max_step_prompts, int(args.fixed_rate * search_s / 2)))
+        return ["--base-url", base_url, *workload_args(args), "--request-rate", f"{args.fixed_rate:g}",
+                "--num-prompts", str(prompts), *slos, "--json", str(args.out / f"{config}.json")]
     return ["--base-url", base_url, *workload_args(args), "--request-rate", f"search:{args.low:g}:{args.high:g}",
             "--search-criterion", "p99", "--search-steps", str(args.steps), "--search-step-s", f"{step_s:.1f}",
-            "--search-budget-s", f"{search_s:.0f}", "--num-prompts", str(args.max_step_prompts),
-            "--goodput", f"ttft:{args.slo_ttft_ms:g}", f"tpot:{args.slo_tpot_ms:g}",
+            "--search-budget-s", f"{search_s:.0f}", "--num-prompts", str(args.max_step_prompts), *slos,
             "--json", str(args.out / f"{config}.json"), "--plot", str(args.out / f"{config}.png"),
             "--plot-label", LABELS[config]]
 
@@ -132,8 +142,12 @@ def run_configuration(config: str, args: argparse.Namespace, record: dict) -> No
 
 
 def search_outcome(path: Path) -> dict:
-    """The highest passing rate in a (possibly partial) search file."""
+    """The highest passing rate in a (possibly partial) search file; for a
+    --fixed-rate run, its result as it is."""
     found = read_json(path) or {}
+    if "steps" not in found and "completed" in found:
+        keys = ("request_rate", "completed", "failed", "request_goodput", "p99_ttft_ms", "p99_tpot_ms", "by_class")
+        return {"fixed_rate": {k: found.get(k) for k in keys}}
     steps = found.get("steps") or []
     passing = [s for s in steps if s.get("passed")]
     best = max(passing, key=lambda s: s["request_rate"]) if passing else None
@@ -190,11 +204,22 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         interrupted = True
     summary = write_summary(args, records, interrupted)
-    plot_both(args, records)
+    if not args.fixed_rate:
+        plot_both(args, records)
     for config, record in records.items():
+        error = f"; {record['error']}" if "error" in record else ""
+        fixed = record.get("fixed_rate")
+        if fixed:
+            classes = fixed.get("by_class") or {}
+            parts = [f"{name} P99 TPOT {c.get('p99_tpot_ms')} ms, P99 TTFT {c.get('p99_ttft_ms')} ms"
+                     for name, c in classes.items()]
+            print(f"{config}: {fixed['completed']} done, {fixed['failed']} failed at {fixed['request_rate']} req/s; "
+                  f"P99 TPOT {fixed['p99_tpot_ms']} ms{'; ' if parts else ''}{'; '.join(parts)}{error}")
+            continue
         print(f"{config}: max rate {record.get('max_request_rate')} req/s over {record.get('steps')} steps "
-              f"({record.get('seconds')} s){'; ' + record['error'] if 'error' in record else ''}")
-    print(summary.get("line", "goodput EPD/aggregated: not measured (a configuration found no passing rate)"))
+              f"({record.get('seconds')} s){error}")
+    if not args.fixed_rate:
+        print(summary.get("line", "goodput EPD/aggregated: not measured (a configuration found no passing rate)"))
     return 130 if interrupted else 0
 
 

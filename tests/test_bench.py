@@ -153,6 +153,23 @@ def test_goodput_failures_and_sweep():
     assert seen[0]["messages"] != seen[8]["messages"]
 
 
+def test_text_only_fraction_mixes_the_load_and_splits_the_results():
+    dataset = small_dataset(num_prompts=20, text_only_fraction=0.5)
+    (r,), seen = asyncio.run(sweep_against_fake(dataset, [float("inf")], {"tpot": 500}))
+    images = [sum(part["type"] == "image_url" for part in body["messages"][0]["content"]) for body in seen]
+    text_only = images.count(0)
+    assert 0 < text_only < 20 and set(images) == {0, 1}
+    classes = r["by_class"]
+    assert classes["text_only"]["completed"] == text_only
+    assert classes["with_images"]["completed"] == 20 - text_only
+    assert 9.5 <= classes["text_only"]["p99_tpot_ms"] < 20 and classes["with_images"]["median_ttft_ms"] >= 50
+    # Without the option, nothing changes: no class split, every request has its image.
+    (plain,), seen = asyncio.run(sweep_against_fake(small_dataset(num_prompts=4), [float("inf")], {}))
+    assert "by_class" not in plain and all(len(b["messages"][0]["content"]) == 2 for b in seen)
+    with pytest.raises(ValueError, match="text-only-fraction"):
+        small_dataset(text_only_fraction=1.5)
+
+
 # ---- workload and arrivals -----------------------------------------------------------
 
 def test_poisson_and_gamma_arrivals():

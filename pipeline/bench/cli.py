@@ -64,6 +64,8 @@ def build_parser() -> OneLineParser:
                    help="Python dict {(H, W, 1): probability}")
     p.add_argument("--image-reuse", type=float, default=0.0,
                    help="fraction of images taken from a small shared pool (exercises dedup)")
+    p.add_argument("--text-only-fraction", type=float, default=0.0,
+                   help="fraction of requests sent without images; results then split by class")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--search-criterion", choices=CRITERIA, default="attainment",
@@ -89,7 +91,7 @@ def build_dataset(args: argparse.Namespace) -> RandomMMConfig:
     return RandomMMConfig(
         args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
         args.random_mm_base_items_per_request, args.random_mm_num_mm_items_range_ratio,
-        parse_bucket_config(args.random_mm_bucket_config), args.image_reuse)
+        parse_bucket_config(args.random_mm_bucket_config), args.image_reuse, args.text_only_fraction)
 
 
 def build_search(args: argparse.Namespace, slos: dict[str, float]) -> SearchSettings | None:

@@ -21,7 +21,7 @@ import aiohttp
 import numpy as np
 
 from pipeline.bench.dataset import BenchRequest, RandomMMConfig, arrival_offsets, sample_requests
-from pipeline.bench.metrics import RequestRecord, summarize
+from pipeline.bench.metrics import RequestRecord, by_class, summarize
 
 
 class BenchError(Exception):
@@ -70,7 +70,7 @@ def build_payload(model: str, req: BenchRequest) -> dict:
 
 async def send_request(session: aiohttp.ClientSession, base_url: str, model: str, req: BenchRequest) -> RequestRecord:
     url = base_url.rstrip("/") + "/v1/chat/completions"
-    record = RequestRecord(success=False)
+    record = RequestRecord(success=False, num_images=len(req.image_urls))
     start = time.perf_counter()
     try:
         async with session.post(url, json=build_payload(model, req)) as resp:
@@ -196,6 +196,8 @@ class BenchRunner:
         records, duration = await run_load(self.session, self.base_url, self.model, requests, offsets,
                                            self.max_concurrency, progress)
         result = summarize(records, duration, self.slos)
+        if dataset.text_only_fraction:
+            result["by_class"] = by_class(records)   # not a vLLM key
         # JSON has no infinity; vLLM writes the string "inf".
         result.update(model_id=self.model, num_prompts=len(requests),
                       request_rate=rate if rate != float("inf") else "inf",

@@ -43,6 +43,7 @@ class RandomMMConfig:
     items_range_ratio: float
     buckets: dict[Bucket, float]
     image_reuse: float
+    text_only_fraction: float = 0.0   # requests sent without images (mixed text and image load)
 
     def __post_init__(self) -> None:
         checks = [
@@ -53,6 +54,7 @@ class RandomMMConfig:
             (self.base_items >= 0, "--random-mm-base-items-per-request must be >= 0"),
             (0 <= self.items_range_ratio <= 1, "--random-mm-num-mm-items-range-ratio must be in [0, 1]"),
             (0 <= self.image_reuse <= 1, "--image-reuse must be in [0, 1]"),
+            (0 <= self.text_only_fraction <= 1, "--text-only-fraction must be in [0, 1]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -129,6 +131,9 @@ def sample_requests(cfg: RandomMMConfig, rng: np.random.Generator) -> list[Bench
         prompt_len = _uniform_int(rng, cfg.input_len, cfg.range_ratio, 1)
         output_len = _uniform_int(rng, cfg.output_len, cfg.range_ratio, 1)
         num_images = _uniform_int(rng, cfg.base_items, cfg.items_range_ratio, 0)
+        # Drawn only when asked for, so other runs keep their seeded streams.
+        if cfg.text_only_fraction and rng.random() < cfg.text_only_fraction:
+            num_images = 0
         words = rng.choice(len(WORDS), size=prompt_len)
         prompt = " ".join(WORDS[i] for i in words)
         urls = tuple(images.draw() for _ in range(num_images))

@@ -27,6 +27,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     e2el: float = 0.0
     error: str = ""
+    num_images: int = 0
 
     @property
     def tpot(self) -> float | None:
@@ -107,3 +108,18 @@ def summarize(records: list[RequestRecord], duration: float, slos: dict[str, flo
     result.update(_stats("e2el", [r.e2el for r in done]))
     result["errors"] = [r.error for r in records if not r.success]
     return result
+
+
+def by_class(records: list[RequestRecord]) -> dict[str, dict]:
+    """TTFT and TPOT of text-only requests and of requests with images apart:
+    in a mixed load, whether the text-only streams keep their latency."""
+    out = {}
+    for name, members in (("text_only", [r for r in records if r.num_images == 0]),
+                          ("with_images", [r for r in records if r.num_images > 0])):
+        done = [r for r in members if r.success]
+        stats = {"requests": len(members), "completed": len(done)}
+        stats.update(_stats("ttft", [r.ttft for r in done]))
+        stats.update(_stats("tpot", [r.tpot for r in done if r.tpot is not None]))
+        out[name] = stats
+    return out
+
