@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One workload of the issue-6 goodput comparison, for the device tool on
+# nvidia-h200-x2 (one device call of at most 10 minutes):
+#   run(command="IMAGES=4 INPUT_LEN=400 bash scripts/gpu_issue6.sh", carry=[".whl"], kind="nvidia-h200-x2")
+# Settings (environment): IMAGES, INPUT_LEN, BUDGET_S (per configuration),
+# STEPS, LOW, HIGH, FAST_MIXED=1 (generators run mixed steps through the
+# fused kernels and graphs), FIXED_RATE and TEXT_ONLY (the mixed-load TPOT
+# check), ENGINE_CHECK=1 (the engine check's speed modes first).
+# Results, the summary and every stage's log land flat in $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+exec > >(tee "$OUT/log.txt") 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
+export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+
+IMAGES=${IMAGES:-4} INPUT_LEN=${INPUT_LEN:-400} BUDGET_S=${BUDGET_S:-240}
+STEPS=${STEPS:-5} LOW=${LOW:-0.5} HIGH=${HIGH:-16}
+stage_args=(--stage-arg generator=--kv-cache-mib=32768 --stage-arg generator=--encoder-cache-tokens=65536
+            --stage-arg generator=--max-num-seqs=128 --stage-arg encoder=--arena-mib=4096)
+[ "${FAST_MIXED:-0}" = 1 ] && stage_args+=(--stage-arg generator=--fast-mixed)
+extra=()
+[ -n "${FIXED_RATE:-}" ] && extra+=(--fixed-rate "$FIXED_RATE")
+[ -n "${TEXT_ONLY:-}" ] && extra+=(--text-only-fraction "$TEXT_ONLY")
+
+if [ "${ENGINE_CHECK:-0}" = 1 ]; then
+  echo "== engine check (speed)"
+  timeout 120 python3 scripts/gpu_engine_check.py --modes fast_decode --no-profile --json "$OUT/engine.json"
+fi
+
+name="${IMAGES}img-${INPUT_LEN}tok"
+echo "== goodput $name"
+timeout -s TERM $(( 2 * BUDGET_S + 60 )) python3 scripts/gpu_goodput.py --images "$IMAGES" --input-len "$INPUT_LEN" \
+  --out "/tmp/goodput/$name" --budget-s "$BUDGET_S" --steps "$STEPS" --low "$LOW" --high "$HIGH" \
+  --warmup-prompts 24 "${stage_args[@]}" "${extra[@]}"
+rc=$?
+# The device tool brings back shallow files only: flatten the results and logs.
+for f in /tmp/goodput/"$name"/*.json /tmp/goodput/"$name"/*.png; do
+  [ -e "$f" ] && cp "$f" "$OUT/${name}-$(basename "$f")"
+done
+for f in /tmp/goodput/"$name"/logs/*/*.log /tmp/goodput/"$name"/logs/*.log; do
+  [ -e "$f" ] && cp "$f" "$OUT/${name}-log-$(basename "$(dirname "$f")")-$(basename "$f")"
+done
+exit $rc
