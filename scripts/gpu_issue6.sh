@@ -10,8 +10,10 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+if [ "${TINY:-0}" != 1 ]; then   # TINY=1: a CPU smoke run of this script on the built-in tiny model
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
 
 IMAGES=${IMAGES:-4} INPUT_LEN=${INPUT_LEN:-400} BUDGET_S=${BUDGET_S:-240}
 STEPS=${STEPS:-5} LOW=${LOW:-0.5} HIGH=${HIGH:-16}
@@ -21,6 +23,7 @@ stage_args=(--stage-arg generator=--kv-cache-mib=32768 --stage-arg generator=--e
 extra=()
 [ -n "${FIXED_RATE:-}" ] && extra+=(--fixed-rate "$FIXED_RATE")
 [ -n "${TEXT_ONLY:-}" ] && extra+=(--text-only-fraction "$TEXT_ONLY")
+[ "${TINY:-0}" = 1 ] && extra+=(--tiny --image-size 64 --output-len 8)
 
 if [ "${ENGINE_CHECK:-0}" = 1 ]; then
   echo "== engine check (speed)"
