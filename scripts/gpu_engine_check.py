@@ -298,9 +298,10 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, ou
         out[f"batch{batch}_step_ms"] = float(np.median(times))
         out[f"batch{batch}_vs_floor"] = float(np.median(times)) / floor_ms
         decode = engine.runner.decode
-        if decode is not None and decode.graphs:
-            # The captured forward alone: what is left is host work per step.
-            key = max(decode.graphs)
+        if decode is not None and decode.last_bucket in decode.graphs:
+            # The captured forward of the timed steps' bucket alone: what is
+            # left is host work per step.
+            key = decode.last_bucket
             graph, _ = decode.graphs[key]
             replays = []
             for _ in range(steps):

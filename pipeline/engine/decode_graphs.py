@@ -97,6 +97,7 @@ class DecodeGraphs:
         self.slot_mapping = self.inputs[4 * mb:5 * mb]
         self.lengths = self.inputs[5 * mb:6 * mb]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.last_bucket: tuple[int, int] | None = None   # the (batch, length) bucket of the last step
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def run(self, token_ids: list[int], positions: torch.Tensor, block_tables: list[list[int]],
@@ -107,6 +108,7 @@ class DecodeGraphs:
         if batch > self.max_batch or max(context_lens) + 1 > self.max_len:
             raise ValueError("decode batch exceeds the captured limits")
         bb, lb = _bucket(batch, 1), _bucket(max(context_lens) + 1, self.min_len)
+        self.last_bucket = (bb, lb)
         self._fill(token_ids, positions, block_tables, context_lens, bb, lb)
         if not self.use_graphs:
             return self._forward(bb, lb)[:batch]
