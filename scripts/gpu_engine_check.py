@@ -288,28 +288,16 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, ou
         engine.step()  # a second decode: graphs captured by now
         torch.cuda.synchronize()
         out[f"batch{batch}_warmup_s"] = time.perf_counter() - t_warm
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            engine.step()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t) * 1000)
-        out[f"batch{batch}_step_ms"] = float(np.median(times))
-        out[f"batch{batch}_vs_floor"] = float(np.median(times)) / floor_ms
+        step_ms = _median_ms(engine.step, steps)
+        out[f"batch{batch}_step_ms"] = step_ms
+        out[f"batch{batch}_vs_floor"] = step_ms / floor_ms
         decode = engine.runner.decode
         if decode is not None and decode.last_bucket in decode.graphs:
             # The captured forward of the timed steps' bucket alone: what is
             # left is host work per step.
             key = decode.last_bucket
             graph, _ = decode.graphs[key]
-            replays = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                graph.replay()
-                torch.cuda.synchronize()
-                replays.append((time.perf_counter() - t) * 1000)
-            out[f"batch{batch}_graph_replay_ms"] = float(np.median(replays))
+            out[f"batch{batch}_graph_replay_ms"] = _median_ms(graph.replay, steps)
             out[f"batch{batch}_fused_kernels"] = decode.fused
             if profile:
                 def eager():
@@ -320,6 +308,18 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, ou
         del engine
         torch.cuda.empty_cache()
     return out
+
+
+def _median_ms(work, repeats: int) -> float:
+    """Median wall milliseconds of work() with the GPU drained before and after each call."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        work()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1000)
+    return float(np.median(times))
 
 
 def _failed(report: dict) -> list[str]:
