@@ -81,6 +81,37 @@ def run_engine(engine, model, requests, arrivals, embed_delay, max_tokens=12, ab
     return outputs, finished
 
 
+def test_an_embedding_that_beats_its_request_waits_for_it(tiny):
+    """The same image for a second request arrives (a dedup hit at the
+    encoder) before that request, while other work keeps the engine
+    stepping: it must still be there when the request comes."""
+    model, processor = tiny
+    engine = Engine(model, processor.tokenizer, EngineConfig(max_num_batched_tokens=64, kv_cache_bytes=8 << 20),
+                    torch.device("cpu"))
+    prompt, (key,), ((pixels, grid),) = make_request(processor, 7, 1)
+    embedding = model.encode_images(pixels, [grid])[0]
+    busy, _, _ = make_request(processor, 8, 0)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("first", prompt, [key], params)
+    engine.add_embedding(key, embedding)
+    engine.add_request("busy", busy, [], SamplingParams(max_tokens=40, ignore_eos=True))
+    done = set()
+    for _ in range(100):
+        done |= {o.request_id for o in engine.step() if o.finished}
+        if "first" in done:
+            break
+    engine.add_embedding(key, embedding)          # before the second request
+    for _ in range(3):
+        done |= {o.request_id for o in engine.step() if o.finished}
+    engine.add_request("second", prompt, [key], params)
+    for _ in range(100):
+        done |= {o.request_id for o in engine.step() if o.finished}
+        if not engine.has_work():
+            break
+    assert {"first", "busy", "second"} <= done
+    assert not engine.pending_embeddings and engine.scheduler.encoder_cache.used_tokens == 0
+
+
 @pytest.mark.parametrize("aggregated,fast_decode", [(False, False), (True, False), (False, True)])
 def test_batched_requests_equal_each_run_alone(tiny, aggregated, fast_decode):
     model, processor = tiny

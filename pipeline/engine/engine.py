@@ -140,10 +140,18 @@ class Engine:
                                       make_generator(params), inputs)
 
     def add_embedding(self, key: str, embedding: torch.Tensor) -> None:
-        """An image embedding arrived; kept pending until the cache has room.
-        ValueError if its length disagrees with a request's placeholder run."""
-        if not self.scheduler.admit_embedding(key, embedding.shape[0], embedding):
+        """An image embedding arrived; kept pending until a request needs it
+        and the cache has room. ValueError if its length disagrees with a
+        request's placeholder run."""
+        if not self._admit(key, embedding):
             self.pending_embeddings[key] = (embedding, time.monotonic())
+
+    def _admit(self, key: str, embedding: torch.Tensor) -> bool:
+        # One that no request needs yet (it beat its request here) waits in
+        # pending: admitted now, the next step's cleanup of unused entries
+        # would free it before its request arrived.
+        return (self.scheduler.encoder_cache.is_needed(key)
+                and self.scheduler.admit_embedding(key, embedding.shape[0], embedding))
 
     def abort(self, request_id: str) -> bool:
         self.live.pop(request_id, None)
@@ -179,7 +187,7 @@ class Engine:
         now = time.monotonic()
         cache = self.scheduler.encoder_cache
         for key, (embedding, since) in list(self.pending_embeddings.items()):
-            if self.scheduler.admit_embedding(key, embedding.shape[0], embedding):
+            if self._admit(key, embedding):
                 del self.pending_embeddings[key]
             elif not cache.is_needed(key) and now - since >= self.config.orphan_embedding_ttl:
                 del self.pending_embeddings[key]
