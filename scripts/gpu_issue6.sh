@@ -5,7 +5,9 @@
 # Settings (environment): IMAGES, INPUT_LEN, BUDGET_S (per configuration),
 # STEPS, LOW, HIGH, FAST_MIXED=1 (generators run mixed steps through the
 # fused kernels and graphs), FIXED_RATE and TEXT_ONLY (the mixed-load TPOT
-# check), ENGINE_CHECK=1 (the engine check's speed modes first).
+# check), ENGINE_CHECK=1 (the engine check's speed modes first),
+# TEXT_CHECK=F (after the search: EPD alone at the aggregated maximum rate
+# with a fraction F of text-only requests, TEXT_BUDGET_S seconds).
 # Results, the summary and every stage's log land flat in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -36,6 +38,22 @@ timeout -s TERM $(( 2 * BUDGET_S + 60 )) python3 scripts/gpu_goodput.py --images
   --out "/tmp/goodput/$name" --budget-s "$BUDGET_S" --steps "$STEPS" --low "$LOW" --high "$HIGH" \
   --warmup-prompts 24 "${stage_args[@]}" "${extra[@]}"
 rc=$?
+if [ -n "${TEXT_CHECK:-}" ]; then
+  rate=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['configs']['aggregated']['max_request_rate'] or '')" \
+         "/tmp/goodput/$name/summary.json" 2>/dev/null)
+  if [ -n "$rate" ]; then
+    echo "== EPD at the aggregated maximum, $rate req/s, text-only fraction $TEXT_CHECK"
+    timeout -s TERM $(( ${TEXT_BUDGET_S:-90} + 30 )) python3 scripts/gpu_goodput.py --images "$IMAGES" \
+      --input-len "$INPUT_LEN" --out "/tmp/goodput/$name/textonly" --budget-s "${TEXT_BUDGET_S:-90}" \
+      --configs epd --fixed-rate "$rate" --text-only-fraction "$TEXT_CHECK" --warmup-prompts 8 \
+      "${stage_args[@]}" "${extra[@]}" || rc=1
+    for f in /tmp/goodput/"$name"/textonly/*.json; do
+      [ -e "$f" ] && cp "$f" "$OUT/${name}-textonly-$(basename "$f")"
+    done
+  else
+    echo "== no aggregated maximum: text-only check skipped"; rc=1
+  fi
+fi
 # The device tool brings back shallow files only: flatten the results and logs.
 for f in /tmp/goodput/"$name"/*.json /tmp/goodput/"$name"/*.png; do
   [ -e "$f" ] && cp "$f" "$OUT/${name}-$(basename "$f")"

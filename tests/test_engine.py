@@ -130,6 +130,15 @@ def test_batched_requests_equal_each_run_alone(tiny, aggregated, fast_decode):
     assert len(engine.scheduler.encoder_cache) == 0
     if not aggregated:
         assert engine.scheduler.stats["yields_total"] > 0  # images really were late
+    # The step profile saw the prefills and the decodes, every token of them.
+    profile = engine.profile.window()
+    prompt_tokens = sum(len(p.token_ids) for p, _, _ in requests.values())
+    decoded = profile["decode"]["steps"] * profile["decode"]["mean_tokens"]
+    mixed = profile["mixed"]["steps"] * profile["mixed"]["mean_tokens"]
+    assert round(decoded + mixed) == prompt_tokens + 11 * len(requests)   # the last token is never fed back
+    kinds = [v for v in profile.values() if isinstance(v, dict)]
+    assert any("encode_ms" in kind for kind in kinds) == aggregated   # local vision forwards timed
+    assert engine.profile.window().keys() == {"seconds", "outside_share"}   # a new, empty window
 
 
 @pytest.mark.parametrize("fast_decode", [False, True])

@@ -9,7 +9,9 @@ next batch overlaps the current forward.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -27,6 +29,7 @@ from pipeline.media.base import DecodedImage, MediaBackend
 from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
 
 log = logging.getLogger("epd.encoder")
+PROFILE_LOG_S = 10.0   # how often the busy profile is logged while there is work
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class EncoderService:
         self.to_decode: list[tuple[str, bytes]] = []
         self.decoded: deque[_Decoded] = deque()
         self.counters: Counter[str] = Counter()
+        self.busy: Counter[str] = Counter()   # seconds and images per window, for the profile log
         self.forwards = 0
         self._decode_wake = asyncio.Event()
         self._compute_wake = asyncio.Event()
@@ -131,7 +135,7 @@ class EncoderService:
     # ------------------------------------------------------------ pipeline
 
     async def run(self) -> None:
-        await asyncio.gather(self._decode_loop(), self._compute_loop(), self._expiry_loop())
+        await asyncio.gather(self._decode_loop(), self._compute_loop(), self._expiry_loop(), self._profile_loop())
 
     async def _decode_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -141,8 +145,11 @@ class EncoderService:
             items, self.to_decode = self.to_decode, []
             if not items:
                 continue
+            started = time.perf_counter()
             results = await loop.run_in_executor(
                 self.decode_pool, self.media.decode, [media for _, media in items], self.image_config)
+            self.busy["decode_s"] += time.perf_counter() - started
+            self.busy["decoded_images"] += len(items)
             for (key, _), result in zip(items, results):
                 if isinstance(result, ImageDecodeError):
                     self._fail_all(key, f"bad image: {result}", retryable=False)
@@ -162,7 +169,10 @@ class EncoderService:
                 if not reserved:
                     continue
                 try:
+                    started = time.perf_counter()
                     await loop.run_in_executor(self.compute_pool, self._forward_and_store, reserved)
+                    self.busy["forward_s"] += time.perf_counter() - started
+                    self.busy["forward_images"] += len(reserved)
                 except Exception as exc:  # a failed forward must not stop the encoder
                     log.exception("vision forward failed")
                     for item, _ in reserved:
@@ -199,6 +209,24 @@ class EncoderService:
                 self.store.write(entry, output)
         self.store.sync()
         self.forwards += 1
+
+    async def _profile_loop(self) -> None:
+        """Every PROFILE_LOG_S with work in it: one line of where the time
+        went (decode and forward seconds are summed wall times of each
+        batch, so busy shares show which of the two saturates first)."""
+        while True:
+            started = time.monotonic()
+            await asyncio.sleep(PROFILE_LOG_S)
+            busy, self.busy = self.busy, Counter()
+            if busy:
+                seconds = time.monotonic() - started
+                log.info("encoder profile %s", json.dumps({
+                    "seconds": round(seconds, 1), "decode_busy": round(busy["decode_s"] / seconds, 3),
+                    "forward_busy": round(busy["forward_s"] / seconds, 3), "forwards": self.forwards,
+                    "decoded_images": busy["decoded_images"], "forward_images": busy["forward_images"],
+                    "decode_ms_per_image": round(busy["decode_s"] * 1000 / max(1, busy["decoded_images"]), 2),
+                    "forward_ms_per_image": round(busy["forward_s"] * 1000 / max(1, busy["forward_images"]), 2),
+                    "queued": len(self.decoded)}, separators=(",", ":")))
 
     async def _expiry_loop(self) -> None:
         while True:

@@ -24,6 +24,7 @@ from pipeline.engine.request import ImageSpan, Request, RequestStatus, SamplingP
 from pipeline.engine.runner import ModelRunner, PromptGeometry
 from pipeline.engine.sampler import SamplingRow, make_generator, sample
 from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.step_profile import StepProfile, step_kind
 from pipeline.processing.processor import MultimodalPrompt
 from pipeline.processing.tokenizer import Tokenizer
 
@@ -98,6 +99,7 @@ class Engine:
         self.live: dict[str, _Live] = {}
         self.pending_embeddings: dict[str, tuple[torch.Tensor, float]] = {}
         self.refetch: list[str] = []
+        self.profile = StepProfile()   # per-window step timings, for the generator's log
         self.last_step_idle = False   # the last step ran nothing (every request waits on images)
         self._arrivals = 0
 
@@ -163,12 +165,15 @@ class Engine:
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         self._admit_pending()
         plan = self.scheduler.schedule()
         self.last_step_idle = not plan.chunks and not plan.encode_keys
         self.refetch += plan.refetch_keys
+        t1 = time.perf_counter()
         if plan.encode_keys:
             self._encode_locally(plan.encode_keys)
+        t2 = time.perf_counter()
         sampled: dict[str, int] = {}
         if plan.chunks:
             cache = self.scheduler.encoder_cache
@@ -178,9 +183,16 @@ class Engine:
                                                for c in plan.chunks}, cache.get)
             rows = [self._sampling_row(c.request_id) for c in due]
             sampled = dict(zip((c.request_id for c in due), sample(logits, rows)))
+        t3 = time.perf_counter()
         finished = {f.request_id: f for f in self.scheduler.update(plan, sampled)}
         outputs = [self._output(rid, token, finished.get(rid)) for rid, token in sampled.items()]
         self.scheduler.encoder_cache.drain_freed()
+        tokens = sum(c.num_tokens for c in plan.chunks)
+        phases = {"schedule": t1 - t0, "forward": t3 - t2, "update": time.perf_counter() - t3}
+        if plan.encode_keys:
+            phases["encode"] = t2 - t1
+        self.profile.record(step_kind(tokens, len(plan.chunks), len(plan.encode_keys)), phases, tokens,
+                            len(plan.chunks))
         return outputs
 
     def _admit_pending(self) -> None:

@@ -9,6 +9,7 @@ arenas as they arrive and their leases released at once.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -28,6 +29,7 @@ from pipeline.processing.processor import MultimodalPrompt
 log = logging.getLogger("epd.generator")
 
 
+PROFILE_LOG_S = 10.0     # how often the step profile is logged while there is work
 STATS_REFRESH_S = 0.05   # how stale the stats the receiver thread answers with may be
 ABORT_MEMORY_S = 60.0    # how long an abort waits for a request that has not arrived
 
@@ -78,6 +80,7 @@ class GeneratorService:
         # prefill) never makes this generator look dead to the proxy.
         self.latest_stats = self.stats()
         self._stats_at = time.monotonic()
+        self._profile_at = time.monotonic()
 
     # ----------------------------------------------------------------- loop
 
@@ -88,15 +91,23 @@ class GeneratorService:
             # Nothing runnable (no requests, or all wait on images): sleep on
             # the inbox instead of spinning the step loop.
             idle = not self.engine.has_work() or self.engine.last_step_idle
+            started = time.perf_counter()
             self._drain(inbound, block=idle)
             self._finish_copies()
             self._expire_overdue()
             self._heartbeat()
             self._refresh_stats()
+            self._log_profile()
             if self.engine.has_work():
-                for output in self.engine.step():
+                # Work between steps (messages, copies, emitting deltas); a
+                # blocking wait on an empty inbox is idle time, not counted.
+                before = 0.0 if idle else time.perf_counter() - started
+                outputs = self.engine.step()
+                stepped = time.perf_counter()
+                for output in outputs:
                     self._emit(output)
                 self._refetch()
+                self.engine.profile.outside_s += before + time.perf_counter() - stepped
         for pending, _, _ in self.copies:
             pending.wait()
         self._finish_copies()   # give every lease back before leaving
@@ -284,6 +295,15 @@ class GeneratorService:
             self._last_heartbeat = now
             for address in self.encoders:
                 self.send(address, protocol.Heartbeat(self.address, time.time()))
+
+    def _log_profile(self) -> None:
+        """Every PROFILE_LOG_S with steps in it: one line of where the time went."""
+        if time.monotonic() - self._profile_at < PROFILE_LOG_S:
+            return
+        self._profile_at = time.monotonic()
+        window = self.engine.profile.window()
+        if any(isinstance(v, dict) and k != "idle" for k, v in window.items()):
+            log.info("step profile %s", json.dumps(window, separators=(",", ":")))
 
     def _refresh_stats(self) -> None:
         now = time.monotonic()

@@ -1,0 +1,59 @@
+"""Where a generator's time goes, step by step, summed over a window.
+
+The goodput study needs to know why a generator saturates: host work in
+the scheduler, GPU work in the forward, local vision forwards (aggregated
+mode), or work outside the step (messages, embedding copies). Each step is
+timed in phases with time.perf_counter (the forward's phase ends when the
+sampled tokens reach the host, so it includes the GPU's time) and summed
+per kind of step; `window()` returns the sums since the last call and
+starts a new window. Recording costs a few dictionary updates per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+PHASES = ("schedule", "encode", "forward", "update")
+
+
+def step_kind(num_tokens: int, num_seqs: int, encodes: int) -> str:
+    """decode: one token per sequence; mixed: a prefill chunk among them;
+    encode: local vision forwards only; idle: nothing ran."""
+    if num_tokens == 0:
+        return "encode" if encodes else "idle"
+    return "decode" if num_tokens == num_seqs else "mixed"
+
+
+class StepProfile:
+    def __init__(self) -> None:
+        self._start = time.monotonic()
+        self._steps: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.outside_s = 0.0   # the caller's own work between steps
+
+    def record(self, kind: str, phases: dict[str, float], tokens: int, seqs: int) -> None:
+        row = self._steps[kind]
+        row["steps"] += 1
+        row["tokens"] += tokens
+        row["seqs"] += seqs
+        for phase, seconds in phases.items():
+            row[phase + "_s"] += seconds
+
+    def window(self) -> dict:
+        """{"seconds": window length, "outside_ms": ..., kind: {"steps",
+        "mean_ms", per-phase mean ms, "mean_tokens", "mean_seqs", "busy"}}:
+        busy is the share of the window spent in steps of that kind."""
+        now = time.monotonic()
+        seconds = max(now - self._start, 1e-9)
+        out: dict = {"seconds": round(seconds, 2), "outside_share": round(self.outside_s / seconds, 3)}
+        for kind, row in self._steps.items():
+            n = row["steps"]
+            total = sum(row[p + "_s"] for p in PHASES)
+            out[kind] = {"steps": int(n), "mean_ms": round(total / n * 1000, 2),
+                         **{f"{p}_ms": round(row[p + "_s"] / n * 1000, 2) for p in PHASES if row[p + "_s"]},
+                         "mean_tokens": round(row["tokens"] / n, 1), "mean_seqs": round(row["seqs"] / n, 1),
+                         "busy": round(total / seconds, 3)}
+        self._start = now
+        self._steps.clear()
+        self.outside_s = 0.0
+        return out
