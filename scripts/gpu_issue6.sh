@@ -3,8 +3,8 @@
 # nvidia-h200-x2 (one device call of at most 10 minutes):
 #   run(command="IMAGES=4 INPUT_LEN=400 bash scripts/gpu_issue6.sh", carry=[".whl"], kind="nvidia-h200-x2")
 # Settings (environment): IMAGES, INPUT_LEN, BUDGET_S (per configuration),
-# STEPS, LOW, HIGH, FAST_MIXED=1 (generators run mixed steps through the
-# fused kernels and graphs), FIXED_RATE and TEXT_ONLY (the mixed-load TPOT
+# STEPS, LOW, HIGH, EAGER_MIXED=1 (generators run mixed steps eagerly, not
+# through the fused kernels and graphs), FIXED_RATE and TEXT_ONLY (the mixed-load TPOT
 # check), ENGINE_CHECK=1 (the engine check's speed modes first),
 # TEXT_CHECK=F (after the search: EPD alone at the aggregated maximum rate
 # with a fraction F of text-only requests, TEXT_BUDGET_S seconds).
@@ -21,7 +21,7 @@ IMAGES=${IMAGES:-4} INPUT_LEN=${INPUT_LEN:-400} BUDGET_S=${BUDGET_S:-240}
 STEPS=${STEPS:-5} LOW=${LOW:-0.5} HIGH=${HIGH:-16}
 stage_args=(--stage-arg generator=--kv-cache-mib=32768 --stage-arg generator=--encoder-cache-tokens=65536
             --stage-arg generator=--max-num-seqs=128 --stage-arg encoder=--arena-mib=4096)
-[ "${FAST_MIXED:-0}" = 1 ] && stage_args+=(--stage-arg generator=--fast-mixed)
+[ "${EAGER_MIXED:-0}" = 1 ] && stage_args+=(--stage-arg generator=--eager-mixed)
 extra=()
 [ -n "${FIXED_RATE:-}" ] && extra+=(--fixed-rate "$FIXED_RATE")
 [ -n "${TEXT_ONLY:-}" ] && extra+=(--text-only-fraction "$TEXT_ONLY")

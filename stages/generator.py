@@ -52,8 +52,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--local-encode-tokens", type=int, default=8192, help="aggregated mode: per step")
     p.add_argument("--embedding-timeout", type=float, default=60.0, help="seconds an image may take")
     p.add_argument("--media-backend", default="auto", help="aggregated mode: image decoder")
-    p.add_argument("--fast-mixed", action="store_true",
-                   help="CUDA: mixed prefill/decode steps through the fused kernels and CUDA graphs")
+    p.add_argument("--eager-mixed", action="store_true",
+                   help="CUDA: run mixed prefill/decode steps eagerly, not through the fused kernels and "
+                        "CUDA graphs (the default wherever decode runs them)")
     args = p.parse_args(argv)
     for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "kv_cache_mib",
                  "encoder_cache_tokens", "local_encode_tokens"):
@@ -75,7 +76,7 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
                              part=None if aggregated else "language")
     config = EngineConfig(args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
                           args.kv_cache_mib << 20, args.encoder_cache_tokens, aggregated,
-                          args.local_encode_tokens, fast_mixed=None if args.fast_mixed else False)
+                          args.local_encode_tokens, fast_mixed=False if args.eager_mixed else None)
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
     decode = image_decoder(args.media_backend, device, model_dir) if aggregated else None
     return GeneratorService(engine, args.address, device, send, args.encoders, args.embedding_timeout, decode)

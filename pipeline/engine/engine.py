@@ -52,9 +52,10 @@ class EngineConfig:
     # Mixed steps (prefill chunks beside decodes) through the fused Triton
     # forward, one CUDA graph per token bucket captured at start-up. None: on
     # wherever fast decode runs the Triton kernels (CUDA); True elsewhere
-    # needs TRITON_INTERPRET=1 (tests on the CPU). Off by default until it
-    # has been checked and timed on the GPU box (scripts/gpu_engine_check.py).
-    fast_mixed: bool | None = False
+    # needs TRITON_INTERPRET=1 (tests on the CPU). On the 2xH200 box under
+    # load, mixed steps took 25-27 ms this way against 270-340 ms eager
+    # (docs/benchmarks.md, step profile).
+    fast_mixed: bool | None = None
 
 
 @dataclass
