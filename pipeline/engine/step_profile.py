@@ -40,8 +40,9 @@ class StepProfile:
             row[phase + "_s"] += seconds
 
     def window(self) -> dict:
-        """{"seconds": window length, "outside_ms": ..., kind: {"steps",
-        "mean_ms", per-phase mean ms, "mean_tokens", "mean_seqs", "busy"}}:
+        """{"seconds": window length, "outside_share": ..., kind: {"steps",
+        "tokens", "mean_ms", per-phase mean ms, "mean_tokens", "mean_seqs",
+        "busy"}}:
         busy is the share of the window spent in steps of that kind."""
         now = time.monotonic()
         seconds = max(now - self._start, 1e-9)
@@ -49,7 +50,7 @@ class StepProfile:
         for kind, row in self._steps.items():
             n = row["steps"]
             total = sum(row[p + "_s"] for p in PHASES)
-            out[kind] = {"steps": int(n), "mean_ms": round(total / n * 1000, 2),
+            out[kind] = {"steps": int(n), "tokens": int(row["tokens"]), "mean_ms": round(total / n * 1000, 2),
                          **{f"{p}_ms": round(row[p + "_s"] / n * 1000, 2) for p in PHASES if row[p + "_s"]},
                          "mean_tokens": round(row["tokens"] / n, 1), "mean_seqs": round(row["seqs"] / n, 1),
                          "busy": round(total / seconds, 3)}
