@@ -8,7 +8,7 @@
 # check), ENGINE_CHECK=1 (the engine check's speed modes first),
 # TEXT_CHECK=F (after the search: EPD alone at the aggregated maximum rate
 # with a fraction F of text-only requests, TEXT_BUDGET_S seconds).
-# Results, the summary and every stage's log land flat in $OUT.
+# The summary, the plot and a tarball of every result and log land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
@@ -47,18 +47,13 @@ if [ -n "${TEXT_CHECK:-}" ]; then
       --input-len "$INPUT_LEN" --out "/tmp/goodput/$name/textonly" --budget-s "${TEXT_BUDGET_S:-90}" \
       --configs epd --fixed-rate "$rate" --text-only-fraction "$TEXT_CHECK" --warmup-prompts 8 \
       "${stage_args[@]}" "${extra[@]}" || rc=1
-    for f in /tmp/goodput/"$name"/textonly/*.json; do
-      [ -e "$f" ] && cp "$f" "$OUT/${name}-textonly-$(basename "$f")"
-    done
   else
     echo "== no aggregated maximum: text-only check skipped"; rc=1
   fi
 fi
-# The device tool brings back shallow files only: flatten the results and logs.
-for f in /tmp/goodput/"$name"/*.json /tmp/goodput/"$name"/*.png; do
-  [ -e "$f" ] && cp "$f" "$OUT/${name}-$(basename "$f")"
-done
-for f in /tmp/goodput/"$name"/logs/*/*.log /tmp/goodput/"$name"/logs/*.log; do
-  [ -e "$f" ] && cp "$f" "$OUT/${name}-log-$(basename "$(dirname "$f")")-$(basename "$f")"
-done
+# The device tool brings back few, shallow files: the summary, the plot and
+# one tarball of every result and log.
+cp "/tmp/goodput/$name/summary.json" "$OUT/${name}-summary.json" 2>/dev/null
+cp "/tmp/goodput/$name/goodput.png" "$OUT/${name}-goodput.png" 2>/dev/null
+tar czf "$OUT/${name}.tgz" -C /tmp/goodput "$name"
 exit $rc
