@@ -1,0 +1,204 @@
+"""Small-M matmul (GEMV) for decode: y = x @ weight.T (+ bias), F.linear's
+contract for x [..., K] with few rows and weight [N, K] in nn.Linear layout.
+
+With 1..16 rows the product is pure weight streaming: every weight element is
+read once and used M times, so the kernel is shaped for bandwidth, not
+FLOPs. Program (n_block, split) streams [BLOCK_N, BLOCK_K] tiles of its rows
+of W, coalesced along K (W's contiguous axis), and multiplies them with the
+matching [M, BLOCK_K] slice of x, which is tiny and stays in L2. Accumulation
+is float32; the output is rounded once to x's dtype, after the bias.
+
+How the tile is multiplied is a config choice (GemvConfig.mode):
+  "defer"  - FMA into a [M, BLOCK_N, BLOCK_K] float32 accumulator, summed
+             over K once after the loop: no cross-thread work in the loop,
+             but M times the tile in registers (meant for M of 1 or 2).
+  "reduce" - FMA, then summed over K every iteration (warp shuffles per
+             tile; registers stay at [M, BLOCK_N]).
+  "dot"    - tl.dot on tensor cores, x padded to 16 rows; scales to larger M.
+Split-K (split_k > 1) cuts K over programs for shapes with too few row
+blocks to fill the GPU; each split writes float32 partials and a second
+kernel sums them, adds the bias and casts (two launches, deterministic, no
+zero-filled workspace). Every launch has a fixed grid and allocates only
+with torch.empty, so calls are CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from pipeline.kernels import interpreting, next_power_of_2
+
+MODES = ("defer", "reduce", "dot")
+_MODE_ID = {name: i for i, name in enumerate(MODES)}
+_DOT_MIN = 16  # tl.dot wants every extent >= 16
+_SMS = 132  # H200; only default_config's guesses depend on it
+
+
+def _power_of_2_in(name: str, value: int, low: int, high: int) -> None:
+    if value < low or value > high or value & (value - 1):
+        raise ValueError(f"GemvConfig.{name}={value}: want a power of two in [{low}, {high}]")
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch shape: W rows per program (block_n), K per tile (block_k),
+    programs along K (split_k), how a tile is multiplied (mode, see the
+    module docstring), and tiles in flight per program (num_stages; 1 is
+    plain loads, more is cp.async into shared memory)."""
+    block_n: int = 16
+    block_k: int = 256
+    split_k: int = 1
+    mode: str = "reduce"
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"GemvConfig.mode={self.mode!r}: want one of {MODES}")
+        low = _DOT_MIN if self.mode == "dot" else 1
+        _power_of_2_in("block_n", self.block_n, low, 512)
+        _power_of_2_in("block_k", self.block_k, low, 4096)
+        _power_of_2_in("num_warps", self.num_warps, 1, 16)
+        if not 1 <= self.split_k <= 64:
+            raise ValueError(f"GemvConfig.split_k={self.split_k}: want 1..64")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"GemvConfig.num_stages={self.num_stages}: want 1..8")
+
+
+def default_config(M: int, N: int, K: int) -> GemvConfig:
+    """A starting point per shape until scripts/gpu_gemv_bench.py has
+    measured the device: an accumulator that fits registers for the mode,
+    and enough row blocks for about two programs on each of an H200's SMs."""
+    mode = "defer" if M <= 2 else "reduce" if M <= 4 else "dot"
+    block_n = 16
+    if mode != "dot" and triton.cdiv(N, block_n) < 2 * _SMS:
+        block_n = 8
+    # Split-K costs a second launch: only where the row blocks cannot even
+    # give every SM one program and K is long enough to share out.
+    split_k = 1
+    while K >= 4096 and triton.cdiv(N, block_n) * split_k < _SMS and split_k < 8:
+        split_k *= 2
+    return GemvConfig(block_n=block_n, block_k=256, split_k=split_k, mode=mode)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split, x_stride, w_stride,
+                 HAS_BIAS: tl.constexpr, MODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 UPCAST_DOT: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = rm < M, rn < N
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    x_ptrs = x_ptr + rm[:, None] * x_stride + (k_start + rk)[None, :]
+    # int64 row offsets: a weight past 2**31 elements must not wrap.
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * w_stride + (k_start + rk)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if MODE == 0:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
+    # Explicit stages: without them Triton pipelines (cp.async into shared
+    # memory, NUM_STAGES tiles in flight) only loads that feed a tl.dot.
+    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            k_mask = (k + rk < k_end)[None, :]
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask, other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_first")
+        if MODE == 0:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        elif MODE == 1:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        elif UPCAST_DOT:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if MODE == 0:
+        acc = tl.sum(acc3, axis=2)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(part_ptr + (split * M + rm)[:, None] * N + rn[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N,
+                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"gemv wants weight [N, K] with K contiguous, got {tuple(weight.shape)} "
+                         f"strides {weight.stride()}")
+    if x.shape[-1] != weight.shape[1] or x.dtype != weight.dtype:
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not match weight "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1 or bias.dtype != x.dtype):
+        raise ValueError(f"gemv: bias {tuple(bias.shape)} {bias.dtype} should be contiguous "
+                         f"[{weight.shape[0]}] {x.dtype}")
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] with few rows (flattened to M);
+    returns [..., N] in x's dtype. `config` defaults to default_config."""
+    _check(x, weight, bias)
+    N, K = weight.shape
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    cfg = config or default_config(M, N, K)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.block_k), cfg.split_k) * cfg.block_k
+    part = out
+    if cfg.split_k > 1:
+        part = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
+    block_m = next_power_of_2(M)
+    if cfg.mode == "dot":
+        block_m = max(_DOT_MIN, block_m)
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else weight  # never read without HAS_BIAS
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
+        x2, weight, bias_arg, out, part, M, N, K, k_per_split, x2.stride(0), weight.stride(0),
+        HAS_BIAS=has_bias, MODE=_MODE_ID[cfg.mode], SPLIT_K=cfg.split_k, EVEN_K=K == k_per_split * cfg.split_k,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        # Triton's interpreter multiplies bf16 (kept as uint16) bit patterns in
+        # tl.dot; products of bf16 values are exact in float32, so upcasting
+        # there computes what the GPU's bf16 dot does.
+        UPCAST_DOT=interpreting() and x.dtype == torch.bfloat16,
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split_k > 1:
+        block = 1024
+        _split_sum_kernel[(M, triton.cdiv(N, block))](part, bias_arg, out, M, N, HAS_BIAS=has_bias,
+                                                      SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4)
+    return out.reshape(*x.shape[:-1], N)
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What gemv computes, for the tests."""
+    return F.linear(x, weight, bias)
