@@ -52,10 +52,12 @@ class EncoderService:
     def __init__(self, settings: EncoderSettings, store: ArenaStore, tower: torch.nn.Module,
                  media: MediaBackend, image_config: ImageProcessorConfig,
                  send: Callable[[str, protocol.Message], bool],
-                 decode_pool: Executor, compute_pool: Executor) -> None:
+                 decode_pool: Executor, compute_pool: Executor,
+                 forward: Callable[[torch.Tensor, list], list[torch.Tensor]] | None = None) -> None:
         self.settings = settings
         self.store = store
         self.tower = tower
+        self.forward = forward or tower   # e.g. VisionGraphs(tower): the same outputs, replayed
         self.media = media
         self.image_config = image_config
         self.send = send
@@ -204,7 +206,7 @@ class EncoderService:
         device = self.store.data.device
         pixels = torch.cat([item.image.pixel_values.to(device, non_blocking=True) for item, _ in reserved])
         with torch.inference_mode():
-            outputs = self.tower(pixels, [item.image.grid for item, _ in reserved])
+            outputs = self.forward(pixels, [item.image.grid for item, _ in reserved])
             for (_, entry), output in zip(reserved, outputs):
                 self.store.write(entry, output)
         self.store.sync()

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import kernels
+from pipeline.cuda_graphs import capture_graph
 from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.models.attention import AttentionBackend
 
@@ -184,20 +185,3 @@ class DecodeGraphs:
 
     def _capture(self, bb: int, lb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         return capture_graph(self.device, self.pool, lambda: self._forward(bb, lb))
-
-
-def capture_graph(device: torch.device, pool, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Capture `forward()` (static inputs in, one tensor out) as a CUDA graph
-    in `pool`, after one warm-up run outside it; returns (graph, output)."""
-    if device.index is not None and torch.cuda.current_device() != device.index:
-        raise RuntimeError(f"CUDA graphs for {device} must be captured with it as the current "
-                           "device (torch.cuda.set_device)")
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        forward()  # warm-up outside the graph (lazy inits, autotuning, Triton compiles)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = forward()
-    return graph, out

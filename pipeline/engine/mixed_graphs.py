@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pipeline import kernels
-from pipeline.engine.decode_graphs import capture_graph
+from pipeline.cuda_graphs import capture_graph
 from pipeline.engine.paged_attention import PagedKVCache, SequenceSlice
 
 COARSE = 512   # above this many tokens, buckets step by it rather than doubling

@@ -33,12 +33,15 @@ class ModelRunner:
         self.device = device
         self.decode = decode
         self.mixed = mixed
+        # Aggregated mode's vision forward: (pixels, grids) -> embeddings; the
+        # generator may swap in VisionGraphs over model.visual.
+        self.vision = model.encode_images
 
     @torch.inference_mode()
     def encode_images(self, inputs: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
         """Aggregated mode: one vision forward over several images' pixels."""
         pixels = torch.cat([p for p, _ in inputs]).to(self.device)
-        return self.model.encode_images(pixels, [g for _, g in inputs])
+        return self.vision(pixels, [g for _, g in inputs])
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, requests: dict[str, Request], geometry: dict[str, PromptGeometry],

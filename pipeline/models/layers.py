@@ -88,30 +88,3 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos = cos.unsqueeze(-2)
     sin = sin.unsqueeze(-2)
     return x * cos + rotate_half(x) * sin
-
-
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     seqlens: list[int], scale: float) -> torch.Tensor:
-    """Bidirectional attention inside each segment of a packed sequence.
-
-    q, k, v: [tokens, heads, dim], segments laid end to end with the given
-    lengths. Segments of equal length are stacked and run as one batched SDPA
-    call, so a batch of images (whose windows mostly share one size) costs a
-    few kernel launches instead of one per window, with no padding.
-    """
-    out = torch.empty_like(q)
-    starts = [0]
-    for n in seqlens:
-        starts.append(starts[-1] + n)
-    by_length: dict[int, list[int]] = {}
-    for i, n in enumerate(seqlens):
-        if n:
-            by_length.setdefault(n, []).append(starts[i])
-    for n, seg_starts in by_length.items():
-        index = (torch.tensor(seg_starts, device=q.device)[:, None]
-                 + torch.arange(n, device=q.device)[None, :]).reshape(-1)
-        qs, ks, vs = (t.index_select(0, index).view(len(seg_starts), n, *t.shape[1:]).transpose(1, 2)
-                      for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
-        out.index_copy_(0, index, o.transpose(1, 2).reshape(-1, *q.shape[1:]))
-    return out

@@ -8,12 +8,15 @@ Parameter names match the reference checkpoints (`visual.*`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.layers import GatedMLP, RMSNorm, varlen_attention
+from pipeline.models.layers import GatedMLP, RMSNorm
 from pipeline.models.qwen2_5_vl.config import VisionConfig
+from pipeline.models.segments import SegmentPlan, plan_segments, segment_attention
 from pipeline.models.qwen2_5_vl.vision_layout import Grid, batch_layout
 
 _NORM_EPS = 1e-6  # fixed in the reference vision tower, not read from config
@@ -46,20 +49,22 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                seqlens: list[int]) -> torch.Tensor:
+                segments: SegmentPlan) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = _rotate_float(q, cos, sin), _rotate_float(k, cos, sin)
-        out = varlen_attention(q, k, v, seqlens, scale=self.head_dim ** -0.5)
+        qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
+        qkv[:, :2] = _rotate_float(qkv[:, :2], cos, sin)   # q and k in one pass
+        out = segment_attention(qkv, segments, scale=self.head_dim ** -0.5)
         return self.proj(out.reshape(n, -1))
 
 
 def _rotate_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # The reference applies the vision rotary in float32 whatever the dtype.
+    """x: [tokens, ..., dim]; cos/sin: [tokens, dim] in float32. The reference
+    applies the vision rotary in float32 whatever the dtype."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    return (xf * cos.view(shape) + rotated * sin.view(shape)).to(x.dtype)
 
 
 class VisionBlock(nn.Module):
@@ -70,8 +75,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=True)
 
-    def forward(self, x, cos, sin, seqlens):
-        x = x + self.attn(self.norm1(x), cos, sin, seqlens)
+    def forward(self, x, cos, sin, segments: SegmentPlan):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -118,15 +123,26 @@ class VisionTower(nn.Module):
         t, h, w = grid
         return t * h * w // self.unit
 
-    def forward(self, pixel_values: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
-        layout = batch_layout(grids, self.cfg.spatial_merge_size, self.window_units, pixel_values.device)
-        x = self._to_window_order(self.patch_embed(pixel_values), layout.window_index)
+    def plan(self, grids: list[Grid], device: torch.device) -> TowerPlan:
+        """Everything a forward needs that depends only on the grids: the
+        host-to-device copies and the rotary tables. A forward over a plan is
+        device work only (what a CUDA graph capture needs)."""
+        layout = batch_layout(grids, self.cfg.spatial_merge_size, self.window_units, device)
         cos, sin = self._rotary(layout.positions, layout.window_index)
+        return TowerPlan(layout.window_index, layout.reverse_index, cos, sin,
+                         plan_segments(layout.frame_seqlens, device), plan_segments(layout.window_seqlens, device),
+                         tuple(layout.units_per_image))
+
+    def forward(self, pixel_values: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
+        plan = self.plan(grids, pixel_values.device)
+        return list(self.embed_planned(pixel_values, plan).split(plan.units_per_image))
+
+    def embed_planned(self, pixel_values: torch.Tensor, plan: TowerPlan) -> torch.Tensor:
+        """[units of all images, out width], images in order."""
+        x = self._to_window_order(self.patch_embed(pixel_values), plan.window_index)
         for i, block in enumerate(self.blocks):
-            seqlens = layout.frame_seqlens if i in self.full_attention else layout.window_seqlens
-            x = block(x, cos, sin, seqlens)
-        merged = self.merger(x).index_select(0, layout.reverse_index)
-        return list(merged.split(layout.units_per_image))
+            x = block(x, plan.cos, plan.sin, plan.frames if i in self.full_attention else plan.windows)
+        return self.merger(x).index_select(0, plan.reverse_index)
 
     def _to_window_order(self, x: torch.Tensor, window_index: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -138,3 +154,16 @@ class VisionTower(nn.Module):
         freqs = self._to_window_order(freqs, window_index)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
+
+
+@dataclass(frozen=True)
+class TowerPlan:
+    """The grid-dependent inputs of one forward over a packed batch, on the device."""
+
+    window_index: torch.Tensor    # [units] unit order for window attention
+    reverse_index: torch.Tensor   # [units] undoes it after the merger
+    cos: torch.Tensor             # [patches, head_dim] float32, window order
+    sin: torch.Tensor
+    frames: SegmentPlan           # full-attention blocks: one segment per frame
+    windows: SegmentPlan          # window blocks
+    units_per_image: tuple[int, ...]

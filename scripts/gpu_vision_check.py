@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""The vision tower on a GPU (run on the GPU box, not in CI):
+
+1. equality: our Qwen2.5-VL-3B-shaped tower (random bf16 weights made on the
+   GPU) against transformers' own vision tower holding the same weights, on
+   batches of 640x640 images; our captured forward (VisionGraphs) against
+   our eager one;
+2. speed, side by side in one run, per batch size: transformers' forward,
+   ours eager, ours replayed as a CUDA graph; milliseconds per image and
+   the ratios.
+
+    python3 scripts/gpu_vision_check.py [--batches 1,4,8,16] [--json out.json]
+
+Each section that fails is recorded with its traceback and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from pipeline.models.shape_configs import shape_config  # noqa: E402
+from pipeline.models.shape_folder import shape_model_dir  # noqa: E402
+from pipeline.models.shapes import random_model  # noqa: E402
+from pipeline.models.vision_graphs import VisionGraphs  # noqa: E402
+from pipeline.processing.image import ImageProcessorConfig, preprocess_images  # noqa: E402
+
+
+def images(n: int, size: int = 640) -> list[Image.Image]:
+    rng = np.random.default_rng(n)
+    return [Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+def hf_tower(ours: torch.nn.Module, device: torch.device):
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    config = Qwen2_5_VLVisionConfig(**shape_config("qwen2.5-vl-3b")["vision_config"])
+    config._attn_implementation = "sdpa"
+    hf = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=torch.bfloat16).to(device)
+    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
+    if unexpected or [m for m in missing if "inv_freq" not in m]:
+        raise RuntimeError(f"weights do not map: missing {missing}, unexpected {unexpected}")
+    return hf.eval()
+
+
+def hf_forward(hf, pixels, grid):
+    out = hf(pixels, grid_thw=grid)
+    return getattr(out, "pooler_output", out)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def median_ms(work, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync()
+        t = time.perf_counter()
+        work()
+        _sync()
+        times.append((time.perf_counter() - t) * 1000)
+    return float(np.median(times))
+
+
+def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
+    diff = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    return {"max_abs_diff": diff, "ref_max_abs": scale, "ok": diff <= 3e-2 * max(scale, 1.0)}
+
+
+def run(device: torch.device, batches: list[int], size: int, report: dict) -> None:
+    tower = random_model("qwen2.5-vl-3b", torch.bfloat16, device, part="visual").model
+    config = ImageProcessorConfig.from_checkpoint(shape_model_dir("qwen2.5-vl-3b"))
+    hf = hf_tower(tower, device)
+    # Off the GPU (a dry run of this script) the eager tower stands in.
+    graphs = VisionGraphs(tower, device, len(batches), capture_after=1) if device.type == "cuda" else tower
+    for b in batches:
+        pixels, grid = preprocess_images(images(b, size), config)
+        pixels, grid = pixels.to(device), grid.to(device)
+        grids = [tuple(g) for g in grid.tolist()]
+        row = report.setdefault(f"batch{b}", {})
+        try:
+            with torch.inference_mode():
+                eager = torch.cat(tower(pixels, grids))
+                row["vs_transformers"] = compare(eager, hf_forward(hf, pixels, grid))
+                row["graph_vs_eager"] = compare(torch.cat(graphs(pixels, grids)), eager)
+                row["transformers_ms_per_image"] = median_ms(lambda: hf_forward(hf, pixels, grid), 3) / b
+                row["eager_ms_per_image"] = median_ms(lambda: tower(pixels, grids), 5) / b
+                row["graph_ms_per_image"] = median_ms(lambda: graphs(pixels, grids), 10) / b
+            row["eager_vs_transformers"] = row["transformers_ms_per_image"] / row["eager_ms_per_image"]
+            row["graph_vs_eager"]["speedup"] = row["eager_ms_per_image"] / row["graph_ms_per_image"]
+        except Exception:  # recorded; the next batch size still runs
+            row["error"] = traceback.format_exc()
+        print(f"batch {b}:", json.dumps(row), flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", type=Path)
+    p.add_argument("--batches", default="1,4,8,16")
+    p.add_argument("--image-size", type=int, default=640)
+    p.add_argument("--device", default="cuda:0", help="cpu: a dry run of the script")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report: dict = {"device": name, "torch": torch.__version__, "image_size": args.image_size}
+    try:
+        run(device, [int(b) for b in args.batches.split(",")], args.image_size, report)
+    except Exception:
+        report["error"] = traceback.format_exc()
+        print(report["error"], flush=True)
+    failed = [k for k, v in report.items() if isinstance(v, dict) and
+              ("error" in v or not all(c.get("ok", True) for c in v.values() if isinstance(c, dict)))]
+    report["failed"] = failed + (["setup"] if "error" in report else [])
+    print("failed:", report["failed"], flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 1 if report["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Segment attention (the vision tower's windows and frames) against one
+SDPA call per segment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.models.segments import plan_segments, segment_attention
+
+
+def per_segment(qkv: torch.Tensor, seqlens: list[int], scale: float) -> torch.Tensor:
+    out, start = [], 0
+    for n in seqlens:
+        q, k, v = (qkv[start:start + n, i].transpose(0, 1)[None] for i in range(3))
+        if n:
+            out.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("seqlens", [[16, 16, 16], [16, 12, 0, 16, 9, 12, 16], [7], [0, 5, 0]])
+def test_segment_attention_equals_one_call_per_segment(seqlens):
+    qkv = torch.randn(sum(seqlens), 3, 4, 8, generator=torch.Generator().manual_seed(len(seqlens)))
+    plan = plan_segments(seqlens, qkv.device)
+    torch.testing.assert_close(segment_attention(qkv, plan, 0.3), per_segment(qkv, seqlens, 0.3))
+    # One length (empty segments hold no rows) needs no gather; more gather.
+    assert all(g.index is None for g in plan.groups) == (len(set(seqlens) - {0}) == 1)
+
+
+def test_plan_groups_by_length_and_rejects_other_sizes():
+    plan = plan_segments([4, 2, 4, 0, 2], torch.device("cpu"))
+    assert [(g.length, g.count, g.index.tolist()) for g in plan.groups] == [
+        (4, 2, [0, 1, 2, 3, 6, 7, 8, 9]), (2, 2, [4, 5, 10, 11])]
+    with pytest.raises(ValueError, match="12 tokens"):
+        segment_attention(torch.zeros(13, 3, 1, 4), plan, 1.0)
