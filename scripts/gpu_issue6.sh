@@ -7,7 +7,9 @@
 # through the fused kernels and graphs), FIXED_RATE and TEXT_ONLY (the mixed-load TPOT
 # check), ENGINE_CHECK=1 (the engine check's speed modes first),
 # TEXT_CHECK=F (after the search: EPD alone at the aggregated maximum rate
-# with a fraction F of text-only requests, TEXT_BUDGET_S seconds).
+# with a fraction F of text-only requests, TEXT_BUDGET_S seconds),
+# VISION_GRAPHS=N (vision forwards replayed as CUDA graphs, N shapes kept),
+# MAX_STEP_PROMPTS (requests per search step at most; default 240).
 # The summary, the plot and a tarball of every result and log land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,6 +24,10 @@ STEPS=${STEPS:-5} LOW=${LOW:-0.5} HIGH=${HIGH:-16}
 stage_args=(--stage-arg generator=--kv-cache-mib=32768 --stage-arg generator=--encoder-cache-tokens=65536
             --stage-arg generator=--max-num-seqs=128 --stage-arg encoder=--arena-mib=4096)
 [ "${EAGER_MIXED:-0}" = 1 ] && stage_args+=(--stage-arg generator=--eager-mixed)
+# Both layouts replay vision forwards as graphs (the encoder in EPD, each
+# generator's local vision forward in aggregated mode): a fair baseline.
+[ -n "${VISION_GRAPHS:-}" ] && stage_args+=(--stage-arg "encoder=--vision-graphs=$VISION_GRAPHS"
+                                            --stage-arg "generator=--vision-graphs=$VISION_GRAPHS")
 extra=()
 [ -n "${FIXED_RATE:-}" ] && extra+=(--fixed-rate "$FIXED_RATE")
 [ -n "${TEXT_ONLY:-}" ] && extra+=(--text-only-fraction "$TEXT_ONLY")
@@ -36,7 +42,7 @@ name="${IMAGES}img-${INPUT_LEN}tok"
 echo "== goodput $name"
 timeout -s TERM $(( 2 * BUDGET_S + 60 )) python3 scripts/gpu_goodput.py --images "$IMAGES" --input-len "$INPUT_LEN" \
   --out "/tmp/goodput/$name" --budget-s "$BUDGET_S" --steps "$STEPS" --low "$LOW" --high "$HIGH" \
-  --warmup-prompts 24 "${stage_args[@]}" "${extra[@]}"
+  --warmup-prompts 24 --max-step-prompts "${MAX_STEP_PROMPTS:-240}" "${stage_args[@]}" "${extra[@]}"
 rc=$?
 if [ -n "${TEXT_CHECK:-}" ]; then
   rate=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['configs']['aggregated']['max_request_rate'] or '')" \

@@ -1,5 +1,5 @@
-"""Segment attention (the vision tower's windows and frames) against one
-SDPA call per segment."""
+"""The vision forward's execution helpers: segment attention (windows and
+frames) against one SDPA call per segment; where vision graphs apply."""
 
 from __future__ import annotations
 
@@ -35,3 +35,17 @@ def test_plan_groups_by_length_and_rejects_other_sizes():
         (4, 2, [0, 1, 2, 3, 6, 7, 8, 9]), (2, 2, [4, 5, 10, 11])]
     with pytest.raises(ValueError, match="12 tokens"):
         segment_attention(torch.zeros(13, 3, 1, 4), plan, 1.0)
+
+
+def test_vision_graphs_only_on_cuda(caplog):
+    """Off the GPU the encoder keeps its eager tower (with a warning) rather
+    than failing to start; VisionGraphs itself refuses a CPU device."""
+    from pipeline.models.vision_graphs import VisionGraphs, vision_forward
+
+    tower = torch.nn.Identity()
+    assert vision_forward(tower, torch.device("cpu"), 0) is tower
+    with caplog.at_level("WARNING"):
+        assert vision_forward(tower, torch.device("cpu"), 4) is tower
+    assert "eagerly" in caplog.text
+    with pytest.raises(ValueError, match="CUDA"):
+        VisionGraphs(tower, torch.device("cpu"))

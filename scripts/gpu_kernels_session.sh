@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The kernel-level GPU checks in one device call (nvidia-h200, ~7 minutes):
+#   run(command="bash scripts/gpu_kernels_session.sh", carry=[".whl"], kind="nvidia-h200")
+# 1. vision tower: ours against transformers, eager against CUDA graphs;
+# 2. small-M Triton matmul (gemv) against cuBLAS at the 3B decode shapes;
+# 3. unified mixed-step attention against flash SDPA on prefill shapes;
+# 4. the engine check: kernels, reference, fast decode with cuBLAS and
+#    with gemv projections, side by side.
+# Each writes its JSON into $OUT; SKIP="vision gemv ..." leaves parts out.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+exec > >(tee "$OUT/log.txt") 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
+export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+rc=0
+part() {   # part NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  case " ${SKIP:-} " in *" $name "*) echo "== $name skipped"; return;; esac
+  echo "== $name"
+  timeout -s TERM "$limit" "$@" || { echo "== $name exit $?"; rc=1; }
+}
+part vision 150 python3 scripts/gpu_vision_check.py --json "$OUT/vision.json"
+part gemv 200 python3 scripts/gpu_gemv_bench.py --json "$OUT/gemv.json"
+part unified 130 python3 scripts/gpu_unified_bench.py --json "$OUT/unified.json"
+part engine 200 python3 scripts/gpu_engine_check.py --modes kernels,reference,fast_decode,fast_decode_gemv \
+  --no-profile --json "$OUT/engine.json"
+exit $rc
