@@ -78,8 +78,10 @@ class VisionGraphs:
         started = time.monotonic()
         plan = self.tower.plan(list(shape), self.device)
         static = pixels.to(self.device).clone()
-        graph, output = capture_graph(self.device, self.pool, lambda: self.tower.embed_planned(static, plan),
-                                      error_mode="thread_local")
+        # The caller may be a worker thread, whose current device is not ours.
+        with torch.cuda.device(self.device):
+            graph, output = capture_graph(self.device, self.pool, lambda: self.tower.embed_planned(static, plan),
+                                          error_mode="thread_local")
         captured = _Captured(graph, static, output, plan)
         self.graphs[shape] = captured
         self.seen.pop(shape, None)

@@ -16,8 +16,8 @@ from torch import nn
 
 from pipeline.models.layers import GatedMLP, RMSNorm
 from pipeline.models.qwen2_5_vl.config import VisionConfig
-from pipeline.models.segments import SegmentPlan, plan_segments, segment_attention
 from pipeline.models.qwen2_5_vl.vision_layout import Grid, batch_layout
+from pipeline.models.segments import SegmentPlan, plan_segments, segment_attention
 
 _NORM_EPS = 1e-6  # fixed in the reference vision tower, not read from config
 
