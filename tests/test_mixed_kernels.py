@@ -45,36 +45,76 @@ def unified_case(dtype, specs, padding, heads=16, kv_heads=2, dim=64, page=16, s
     return q, k_slots, v_slots, tables.view(-1), stride, query, cu, context, page
 
 
+def launch_unified(case, heads=16, kv_heads=2, spare_seqs=0, per_program=None):
+    """The kernel over `case` (from unified_case) with a grid planned for
+    `spare_seqs` more sequences than it has (spare programs: no-ops), at
+    `per_program` tokens a program (None: block_q's, as MixedGraphs plans)."""
+    from pipeline.kernels import unified_attention as m
+
+    q, k_slots, v_slots, tables, stride, query, cu, context, page = case
+    planned = per_program or m.block_q(heads, kv_heads)
+    programs = np.zeros((m.max_programs(cu[-1], len(query) + spare_seqs, planned), 2), dtype=np.int64)
+    m.plan_programs(query, planned, programs)
+    return m.unified_attention(q, k_slots, v_slots, tables, torch.tensor([stride]), torch.tensor(cu),
+                               torch.tensor(context), torch.from_numpy(programs), page, per_program=per_program)
+
+
+def reference(case, dtype=None):
+    """unified_attention_reference over `case`, its tensors cast to `dtype`."""
+    from pipeline.kernels.unified_attention import unified_attention_reference
+
+    q, k_slots, v_slots, tables, stride, query, cu, context, page = case
+    q, k_slots, v_slots = (t.to(dtype or t.dtype) for t in (q, k_slots, v_slots))
+    return unified_attention_reference(q, k_slots, v_slots, tables, stride, cu, context, page)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_unified_attention(dtype):
     """Mixed decodes and chunks, GQA 8:1, shuffled tables, padding tokens
     (zeros out) and spare programs (no-ops) in the grid."""
-    from pipeline.kernels import unified_attention as m
+    case = unified_case(dtype, SPECS, padding=9)
+    got = launch_unified(case, spare_seqs=3)
+    close(got, reference(case))
+    padding = case[6][-2]   # cu_seqlens: the padding sequence's first row
+    assert torch.equal(got[padding:], torch.zeros_like(got[padding:]))
 
-    q, k_slots, v_slots, tables, stride, query, cu, context, page = unified_case(dtype, SPECS, padding=9)
-    per_program = m.block_q(16, 2)
-    programs = np.zeros((m.max_programs(cu[-1], len(SPECS) + 4, per_program), 2), dtype=np.int64)
-    m.plan_programs(query, per_program, programs)
-    got = m.unified_attention(q, k_slots, v_slots, tables, torch.tensor([stride]), torch.tensor(cu),
-                              torch.tensor(context), torch.from_numpy(programs), page)
-    want = m.unified_attention_reference(q, k_slots, v_slots, tables, stride, cu, context, page)
-    close(got, want)
-    assert torch.equal(got[cu[-2]:], torch.zeros_like(got[cu[-2]:]))
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unified_attention_key_tiles(dtype):
+    """head_dim 128 (the 3B model's) and contexts across several 64-key
+    tiles: chunks longer than a program's 16 tokens after contexts longer
+    than a tile, so programs run unmasked tiles, then diagonal ones (first
+    query positions 126, 127 and 128: the keys visible to every row end one
+    short of, at and one past a tile boundary); decodes either side of a
+    boundary; a padding sequence. 16-bit inputs against the float32
+    reference: only p's rounding for p @ v and the output's rounding differ
+    (bf16: max error ~0.016)."""
+    specs = [(150, 200), (1, 63), (1, 64), (40, 126), (17, 127), (40, 128), (1, 129), (33, 0), (70, 250)]
+    case = unified_case(dtype, specs, padding=21, dim=128, seed=3)
+    got = launch_unified(case, spare_seqs=2)
+    want = reference(case, torch.float32)
+    if dtype == torch.float32:
+        close(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2e-2)
+    padding = case[6][-2]   # cu_seqlens: the padding sequence's first row
+    assert torch.isfinite(got).all() and not got[padding:].any()
+
+
+def test_unified_attention_other_tilings():
+    """Plans of 8 and 32 tokens a program (64 and 256 rows) with 32-key
+    tiles give the same; a plan the kernel cannot tile is refused."""
+    case = unified_case(torch.float32, SPECS, padding=9)
+    for per_program in (8, 32):
+        close(launch_unified(case, per_program=per_program), reference(case))
+    with pytest.raises(ValueError, match="power of two"):
+        launch_unified(case, per_program=12)
 
 
 def test_unified_attention_odd_group_and_small_head():
     """A group of 3 q heads per kv head and head dim 16: padded tiles masked."""
-    from pipeline.kernels import unified_attention as m
-
-    specs = [(1, 40), (20, 0), (7, 9)]
-    q, k_slots, v_slots, tables, stride, query, cu, context, page = unified_case(
-        torch.float32, specs, padding=0, heads=6, kv_heads=2, dim=16, page=8)
-    per_program = m.block_q(6, 2)
-    programs = np.zeros((m.max_programs(cu[-1], len(specs), per_program), 2), dtype=np.int64)
-    m.plan_programs(query, per_program, programs)
-    got = m.unified_attention(q, k_slots, v_slots, tables, torch.tensor([stride]), torch.tensor(cu),
-                              torch.tensor(context), torch.from_numpy(programs), page)
-    close(got, m.unified_attention_reference(q, k_slots, v_slots, tables, stride, cu, context, page))
+    case = unified_case(torch.float32, [(1, 40), (20, 0), (7, 9)], padding=0, heads=6, kv_heads=2, dim=16, page=8)
+    close(launch_unified(case, heads=6, kv_heads=2), reference(case))
 
 
 def test_plan_programs_covers_every_token_once():
