@@ -2,8 +2,9 @@
 """The engine on a GPU (run on the GPU box, not in CI):
 
 1. correctness: the tiny checkpoint in float32 on CUDA, several requests with
-   images batched through the engine, equal to offline greedy generation of
-   each alone on the same device;
+   images batched through the engine (reference, fast decode, fast decode
+   with gemv projections), equal to offline greedy generation of each alone
+   on the same device;
    kernels: each fused Triton kernel of the fast paths against its
    PyTorch reference at 3B sizes, and one decode step and one mixed step
    (chunks beside decodes, captured) of the 3B-shaped model (bf16) through
@@ -14,7 +15,10 @@
    device copy bandwidth), all in this one run; for the fast path also the
    graph replay alone and the top CUDA kernels of one replay (torch.profiler);
    a mixed step (a 2048-token prompt joining the batch), on the fast path
-   both captured and through the eager batched path it replaced.
+   both captured and through the eager batched path it replaced;
+   fast_decode_gemv: the fast path with the small-M Triton matmul for the
+   projections of buckets of up to 8 rows (EngineConfig.decode_matmul
+   "triton"), and decode_gemv_vs_cublas: its times over fast_decode's.
 
     timeout 1500 python scripts/gpu_engine_check.py [--json out.json] [--modes ...]
 
@@ -176,17 +180,19 @@ def fused_decode_equality(model: torch.nn.Module, exact: torch.nn.Module, device
                 "top1_agree": (logits.argmax(-1) == truth.argmax(-1)).float().mean().item()}
 
     out = {"ref_max_abs": scale, "reference": against_truth(want)}
+    paths = (("fused", True, "cublas"), ("fused_gemv", True, "triton"), ("gather", False, "cublas"))
     with torch.inference_mode():
-        for name, fused in (("fused", True), ("gather", False)):
-            graphs = DecodeGraphs(model, cache, len(cache.keys[0]) - 1, 8, 1024, device, use_graphs=True, fused=fused)
+        for name, fused, matmul in paths:
+            graphs = DecodeGraphs(model, cache, len(cache.keys[0]) - 1, 8, 1024, device, use_graphs=True,
+                                  fused=fused, matmul=matmul)
             got = graphs.run(step, positions, tables, list(lens)).float()
             out[name] = dict(against_truth(got), max_abs_diff_vs_bf16_reference=(got - want).abs().max().item())
     baseline = max(out["reference"]["max_abs_diff"], out["gather"]["max_abs_diff"])
-    out["ok"] = out["fused"]["max_abs_diff"] <= 1.5 * baseline + 0.01 * scale
+    out["ok"] = all(out[name]["max_abs_diff"] <= 1.5 * baseline + 0.01 * scale for name in ("fused", "fused_gemv"))
     return out
 
 
-def correctness(device: torch.device, fast_decode: bool) -> dict:
+def correctness(device: torch.device, fast_decode: bool, matmul: str = "cublas") -> dict:
     model_dir = default_model_dir()
     loaded = load_model(model_dir, dtype="float32", device=str(device))
     processor = Processor.from_checkpoint(model_dir, loaded.config.image_token_id)
@@ -203,7 +209,8 @@ def correctness(device: torch.device, fast_decode: bool) -> dict:
         pix = torch.cat([p for p, _ in inputs]) if inputs else None
         expected[rid] = greedy_generate(loaded.model, prompt, pix, GenerationLimits(16, frozenset(), True))
     engine = Engine(loaded.model, processor.tokenizer,
-                    EngineConfig(max_num_batched_tokens=128, fast_decode=fast_decode, fast_mixed=None), device)
+                    EngineConfig(max_num_batched_tokens=128, fast_decode=fast_decode, fast_mixed=None,
+                                 decode_matmul=matmul), device)
     got = {rid: [] for rid in requests}
     for rid, (prompt, inputs) in requests.items():
         keys = [f"{rid}-{j}" for j in range(len(inputs))]
@@ -262,8 +269,9 @@ def kernel_breakdown(replay, eager, top: int = 15) -> dict:
 
 
 def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, out: dict, context: int = 512,
-                 steps: int = 20, profile: bool = True) -> dict:
-    """Fills `out` as it goes (kept if a later batch fails) and returns it."""
+                 steps: int = 20, profile: bool = True, matmul: str = "cublas") -> dict:
+    """Fills `out` as it goes (kept if a later batch fails) and returns it.
+    With matmul "triton" the mixed step is not timed: it runs cuBLAS either way."""
     loaded = random_model("qwen2.5-vl-3b", torch.bfloat16, device)
     model = loaded.model
     lm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("visual."))
@@ -276,7 +284,8 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, ou
     for batch in batches:
         engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
                                                        max_num_seqs=batch + 1, kv_cache_bytes=8 << 30,
-                                                       fast_decode=fast_decode, fast_mixed=None), device)
+                                                       fast_decode=fast_decode, fast_mixed=None,
+                                                       decode_matmul=matmul), device)
         from pipeline.processing.processor import MultimodalPrompt
         for i in range(batch):
             ids = list(np.random.default_rng(i).integers(0, 150000, context))
@@ -304,9 +313,24 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, ou
                     with torch.inference_mode():
                         decode._forward(*key)
                 out[f"batch{batch}_profile"] = kernel_breakdown(graph.replay, eager)
-        out.update(mixed_step_timings(engine, context * 4, steps, batch))
+        if matmul == "cublas":
+            out.update(mixed_step_timings(engine, context * 4, steps, batch))
         del engine
         torch.cuda.empty_cache()
+    return out
+
+
+def matmul_comparison(cublas: dict, triton: dict, batches: list[int]) -> dict:
+    """fast_decode (cuBLAS projections) against fast_decode_gemv per batch:
+    both times and triton / cublas (below 1: gemv is faster). Batches over
+    8 rows run cuBLAS in both, so their ratio is run-to-run noise."""
+    out = {}
+    for batch in batches:
+        for what in ("step_ms", "graph_replay_ms"):
+            key = f"batch{batch}_{what}"
+            if key in cublas and key in triton:
+                out[key] = {"cublas": cublas[key], "triton": triton[key],
+                            "triton_over_cublas": triton[key] / cublas[key]}
     return out
 
 
@@ -338,8 +362,9 @@ def _sections(device: torch.device, modes: list[str], batches: list[int], report
     """(report key, work) in run order; a speed section fills its dict as it goes."""
     if "correctness" in modes:
         yield "attention_equality", lambda: attention_equality(device)
-        yield "correctness", lambda: {mode: correctness(device, fast) for mode, fast in
-                                      (("reference", False), ("fast_decode", True))}
+        yield "correctness", lambda: {mode: correctness(device, fast, matmul) for mode, fast, matmul in
+                                      (("reference", False, "cublas"), ("fast_decode", True, "cublas"),
+                                       ("fast_decode_gemv", True, "triton"))}
     if "kernels" in modes:
         yield "kernel_equality", lambda: kernel_equality(device)
 
@@ -351,18 +376,23 @@ def _sections(device: torch.device, modes: list[str], batches: list[int], report
             return check(model, exact, device)
         yield "fused_decode_equality", lambda: fused_model(fused_decode_equality)
         yield "fused_mixed_equality", lambda: fused_model(fused_mixed_equality)
-    for mode, fast in (("reference", False), ("fast_decode", True)):
+    for mode, fast, matmul in (("reference", False, "cublas"), ("fast_decode", True, "cublas"),
+                               ("fast_decode_gemv", True, "triton")):
         if mode in modes:
             out = report.setdefault(f"decode_{mode}", {})
-            yield f"decode_{mode}", lambda fast=fast, out=out: decode_speed(device, batches, fast, out, profile=profile)
+            yield f"decode_{mode}", lambda fast=fast, out=out, matmul=matmul: decode_speed(
+                device, batches, fast, out, profile=profile, matmul=matmul)
+    if "fast_decode" in modes and "fast_decode_gemv" in modes:
+        yield "decode_gemv_vs_cublas", lambda: matmul_comparison(
+            report["decode_fast_decode"], report["decode_fast_decode_gemv"], batches)
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", type=Path)
     p.add_argument("--batches", default="1,32")
-    p.add_argument("--modes", default="correctness,kernels,reference,fast_decode",
-                   help="comma list of: correctness, kernels, reference, fast_decode")
+    p.add_argument("--modes", default="correctness,kernels,reference,fast_decode,fast_decode_gemv",
+                   help="comma list of: correctness, kernels, reference, fast_decode, fast_decode_gemv")
     p.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of a graph replay")
     args = p.parse_args()
     device = torch.device("cuda:0")

@@ -13,7 +13,9 @@ Where Triton runs (CUDA), the forward instead uses the fused kernels of
 pipeline.kernels: rotary + cache write and paged attention that reads K/V in
 place (plus a small merge of its split-K partials), fused residual-add +
 RMSNorm and SiLU * up: six small kernels per layer beside the four matmuls,
-instead of about twenty.
+instead of about twenty. The matmuls run on cuBLAS, or with matmul="triton"
+on the small-M Triton matmul (pipeline/kernels/gemv.py) in the buckets of
+few rows.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pipeline import kernels
 from pipeline.cuda_graphs import capture_graph
 from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.models.attention import AttentionBackend
+
+MATMULS = ("cublas", "triton")   # what a fused decode step's projections run on
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -65,14 +69,22 @@ class DecodeGraphs:
     (batch, length) bucket is captured on first use and replayed after.
 
     `fused`: run the Triton kernels; None picks them on CUDA when Triton is
-    installed. True elsewhere needs TRITON_INTERPRET=1 (tests on the CPU)."""
+    installed. True elsewhere needs TRITON_INTERPRET=1 (tests on the CPU).
+    `matmul`: one of MATMULS; "triton" sends the projections of buckets of
+    up to GEMV_MAX_ROWS rows (pipeline/kernels/ops.py) to gemv, the larger
+    ones stay on cuBLAS. It is part of the fused path, so it turns that on."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, null_block: int, max_batch: int,
                  max_len: int, device: torch.device, use_graphs: bool, min_len: int = 256,
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, matmul: str = "cublas") -> None:
+        if matmul not in MATMULS:
+            raise ValueError(f"decode matmul {matmul!r}: want one of {MATMULS}")
+        if matmul == "triton" and fused is False:
+            raise ValueError("decode matmul 'triton' runs on the fused path; fused=False excludes it")
+        self.matmul = matmul
         if fused is None:
-            fused = device.type == "cuda" and kernels.available(device)
-        elif fused and not kernels.available(device):
+            fused = matmul == "triton" or (device.type == "cuda" and kernels.available(device))
+        if fused and not kernels.available(device):
             raise ValueError(f"fused decode kernels need triton and a CUDA device (or TRITON_INTERPRET=1), "
                              f"not {device}")
         self.fused = fused
@@ -174,9 +186,12 @@ class DecodeGraphs:
 
     def _forward(self, bb: int, lb: int) -> torch.Tensor:
         if self.fused:
-            from pipeline.kernels.paged_backend import TritonDecodeAttention  # triton only where it runs
+            # triton only where it runs
+            from pipeline.kernels.ops import GEMV_MAX_ROWS
+            from pipeline.kernels.paged_backend import TritonDecodeAttention
             attn = TritonDecodeAttention(self.cache, self.slot_mapping[:bb], self._tables(bb, lb),
-                                         self.lengths[:bb], lb, self.num_sms)
+                                         self.lengths[:bb], lb, self.num_sms,
+                                         GEMV_MAX_ROWS if self.matmul == "triton" else 0)
         else:
             attn = GatherDecodeAttention(self.cache, self.slot_mapping[:bb], self._tables(bb, lb),
                                          self.lengths[:bb], lb)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.engine.decode_graphs import DecodeGraphs
+from pipeline.engine.decode_graphs import MATMULS, DecodeGraphs
 from pipeline.engine.kv_blocks import num_blocks_for_memory
 from pipeline.engine.mixed_graphs import MixedGraphs
 from pipeline.engine.output import RequestOutput, TextState
@@ -56,6 +56,15 @@ class EngineConfig:
     # load, mixed steps took 25-27 ms this way against 270-340 ms eager
     # (docs/benchmarks.md, step profile).
     fast_mixed: bool | None = None
+    # What fast decode steps' projections run on: "cublas" (F.linear), or
+    # "triton": the small-M Triton matmul for batch buckets of up to 8 rows
+    # (turns on the fused decode path; mixed steps keep cuBLAS). cuBLAS
+    # until scripts/gpu_engine_check.py has timed both on the GPU.
+    decode_matmul: str = "cublas"
+
+    def __post_init__(self):
+        if self.decode_matmul not in MATMULS:
+            raise ValueError(f"EngineConfig.decode_matmul={self.decode_matmul!r}: want one of {MATMULS}")
 
 
 @dataclass
@@ -91,11 +100,15 @@ class Engine:
         if config.fast_decode or (config.fast_decode is None and device.type == "cuda"):
             model.fuse()
             max_len = min(text.max_position_embeddings, num_blocks * config.block_size)
-            decode = DecodeGraphs(model, kv, num_blocks, config.max_num_seqs, max_len, device, use_graphs=True)
+            decode = DecodeGraphs(model, kv, num_blocks, config.max_num_seqs, max_len, device, use_graphs=True,
+                                  matmul=config.decode_matmul)
             started = time.monotonic()
             captured = decode.capture_up_to(config.capture_decode_len)
             if captured:
                 log.info("captured %d decode graphs in %.1f s", captured, time.monotonic() - started)
+        elif config.decode_matmul != "cublas":
+            raise ValueError(f"EngineConfig.decode_matmul={config.decode_matmul!r} needs fast decode, "
+                             f"which is off here (fast_decode={config.fast_decode}, device {device})")
         self.runner = ModelRunner(model, kv, device, decode, self._mixed(model, kv, num_blocks, decode, device))
         self.live: dict[str, _Live] = {}
         self.pending_embeddings: dict[str, tuple[torch.Tensor, float]] = {}

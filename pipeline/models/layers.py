@@ -31,9 +31,16 @@ class RMSNorm(nn.Module):
 
 class LayerOps(ABC):
     """Fused kernels that a fast path runs in place of a decoder layer's
-    elementwise ops (pipeline.kernels implements them with Triton). Same
-    formulas as RMSNorm and GatedMLP; results agree within the model dtype's
-    rounding, not bit for bit."""
+    elementwise ops (pipeline.kernels implements them with Triton), and the
+    matmul its projections go through. Same formulas as RMSNorm, GatedMLP
+    and nn.Linear; results agree within the model dtype's rounding, not bit
+    for bit."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear's contract (weight [out, in]); an implementation may pick
+        another kernel by x's shape, never by its values (the fast paths
+        capture it in CUDA graphs)."""
+        return F.linear(x, weight, bias)
 
     @abstractmethod
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
@@ -75,7 +82,8 @@ class GatedMLP(nn.Module):
     def forward_fused(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         if self.gate_up is None:
             return self.forward(x)
-        return self.down_proj(ops.silu_mul(F.linear(x, *self.gate_up)))
+        down = self.down_proj
+        return ops.linear(ops.silu_mul(ops.linear(x, *self.gate_up)), down.weight, down.bias)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

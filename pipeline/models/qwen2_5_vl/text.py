@@ -65,16 +65,26 @@ class SelfAttention(nn.Module):
         self.qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, attn: AttentionBackend):
+        if self.qkv is not None:
+            return self._forward_packed(x, cos, sin, attn, F.linear)
         n = x.shape[0]
+        q = apply_rotary(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        return self.o_proj(attn.attend(self.layer, q, k, v).reshape(n, -1))
+
+    def forward_fused(self, x, cos, sin, attn: AttentionBackend, ops: LayerOps):
+        """forward() with both projections through ops.linear; a model
+        never fuse()d keeps its plain projections."""
         if self.qkv is None:
-            q = apply_rotary(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-            k = apply_rotary(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
-            v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-            out = attn.attend(self.layer, q, k, v)
-        else:
-            qkv = F.linear(x, *self.qkv).view(n, self.heads + 2 * self.kv_heads, self.head_dim)
-            out = attn.attend_packed(self.layer, qkv, cos, sin, self.heads)
-        return self.o_proj(out.reshape(n, -1))
+            return self.forward(x, cos, sin, attn)
+        return self._forward_packed(x, cos, sin, attn, ops.linear)
+
+    def _forward_packed(self, x, cos, sin, attn: AttentionBackend, linear):
+        n = x.shape[0]
+        qkv = linear(x, *self.qkv).view(n, self.heads + 2 * self.kv_heads, self.head_dim)
+        out = attn.attend_packed(self.layer, qkv, cos, sin, self.heads)
+        return linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -111,7 +121,7 @@ class DecoderLayer(nn.Module):
         and returns (residual stream, the last sub-block's output not yet
         added), so the next layer's first norm does that add."""
         x, h = ops.add_rms_norm(x, delta, self.input_layernorm)
-        x, h = ops.add_rms_norm(x, self.self_attn(h, cos, sin, attn), self.post_attention_layernorm)
+        x, h = ops.add_rms_norm(x, self.self_attn.forward_fused(h, cos, sin, attn, ops), self.post_attention_layernorm)
         return x, self.mlp.forward_fused(h, ops)
 
 
