@@ -9,7 +9,8 @@
 # TEXT_CHECK=F (after the search: EPD alone at the aggregated maximum rate
 # with a fraction F of text-only requests, TEXT_BUDGET_S seconds),
 # VISION_GRAPHS=N (vision forwards replayed as CUDA graphs, N shapes kept),
-# MAX_STEP_PROMPTS (requests per search step at most; default 240).
+# MAX_STEP_PROMPTS (requests per search step at most; default 240), GEMV=1
+# (decode projections through the small-batch Triton matmul).
 # The summary, the plot and a tarball of every result and log land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,6 +27,7 @@ stage_args=(--stage-arg generator=--kv-cache-mib=32768 --stage-arg generator=--e
 [ "${EAGER_MIXED:-0}" = 1 ] && stage_args+=(--stage-arg generator=--eager-mixed)
 # Both layouts replay vision forwards as graphs (the encoder in EPD, each
 # generator's local vision forward in aggregated mode): a fair baseline.
+[ "${GEMV:-0}" = 1 ] && stage_args+=(--stage-arg generator=--decode-matmul=triton)
 [ -n "${VISION_GRAPHS:-}" ] && stage_args+=(--stage-arg "encoder=--vision-graphs=$VISION_GRAPHS"
                                             --stage-arg "generator=--vision-graphs=$VISION_GRAPHS")
 extra=()

@@ -53,6 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--local-encode-tokens", type=int, default=8192, help="aggregated mode: per step")
     p.add_argument("--embedding-timeout", type=float, default=60.0, help="seconds an image may take")
     p.add_argument("--media-backend", default="auto", help="aggregated mode: image decoder")
+    p.add_argument("--decode-matmul", choices=("cublas", "triton"), default="cublas",
+                   help="CUDA: decode steps' projections through cuBLAS or the small-batch Triton matmul")
     p.add_argument("--vision-graphs", type=int, default=0, metavar="N",
                    help="aggregated mode, CUDA: replay vision forwards as CUDA graphs, keeping up to N batch "
                         "shapes (0: eager)")
@@ -82,7 +84,8 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
                              part=None if aggregated else "language")
     config = EngineConfig(args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
                           args.kv_cache_mib << 20, args.encoder_cache_tokens, aggregated,
-                          args.local_encode_tokens, fast_mixed=False if args.eager_mixed else None)
+                          args.local_encode_tokens, fast_mixed=False if args.eager_mixed else None,
+                          decode_matmul=args.decode_matmul)
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
     if aggregated:
         engine.runner.vision = vision_forward(model.visual, device, args.vision_graphs)
