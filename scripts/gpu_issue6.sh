@@ -10,7 +10,8 @@
 # with a fraction F of text-only requests, TEXT_BUDGET_S seconds),
 # VISION_GRAPHS=N (vision forwards replayed as CUDA graphs, N shapes kept),
 # MAX_STEP_PROMPTS (requests per search step at most; default 240), GEMV=1
-# (decode projections through the small-batch Triton matmul).
+# (decode projections through the small-batch Triton matmul), MAX_BATCHED
+# (the generators' token budget per step: shorter mixed steps, lower TPOT).
 # The summary, the plot and a tarball of every result and log land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,9 +26,10 @@ STEPS=${STEPS:-5} LOW=${LOW:-0.5} HIGH=${HIGH:-16}
 stage_args=(--stage-arg generator=--kv-cache-mib=32768 --stage-arg generator=--encoder-cache-tokens=65536
             --stage-arg generator=--max-num-seqs=128 --stage-arg encoder=--arena-mib=4096)
 [ "${EAGER_MIXED:-0}" = 1 ] && stage_args+=(--stage-arg generator=--eager-mixed)
+[ "${GEMV:-0}" = 1 ] && stage_args+=(--stage-arg generator=--decode-matmul=triton)
+[ -n "${MAX_BATCHED:-}" ] && stage_args+=(--stage-arg "generator=--max-num-batched-tokens=$MAX_BATCHED")
 # Both layouts replay vision forwards as graphs (the encoder in EPD, each
 # generator's local vision forward in aggregated mode): a fair baseline.
-[ "${GEMV:-0}" = 1 ] && stage_args+=(--stage-arg generator=--decode-matmul=triton)
 [ -n "${VISION_GRAPHS:-}" ] && stage_args+=(--stage-arg "encoder=--vision-graphs=$VISION_GRAPHS"
                                             --stage-arg "generator=--vision-graphs=$VISION_GRAPHS")
 extra=()
