@@ -49,3 +49,46 @@ def test_vision_graphs_only_on_cuda(caplog):
     assert "eagerly" in caplog.text
     with pytest.raises(ValueError, match="CUDA"):
         VisionGraphs(tower, torch.device("cpu"))
+
+
+def test_batches_cut_into_power_of_two_pieces_of_one_grid():
+    from pipeline.models.vision_graphs import plan_pieces
+
+    a, b = (1, 46, 46), (1, 20, 30)
+    grids = [a] * 13 + [b, a, b]
+    pieces = plan_pieces(grids, max_images=16)
+    assert [(g, len(i)) for g, i in pieces] == [(a, 8), (a, 4), (a, 2), (b, 2)]
+    assert sorted(i for _, idx in pieces for i in idx) == list(range(len(grids)))   # each image once
+    assert all(grids[i] == g for g, idx in pieces for i in idx)
+    assert [len(i) for _, i in plan_pieces([a] * 40, max_images=12)] == [8, 8, 8, 8, 8]
+    with pytest.raises(ValueError):
+        plan_pieces([a], max_images=0)
+
+
+def test_a_batch_run_in_pieces_equals_one_forward(tiny_dir):
+    """Images of two sizes, interleaved: run piece by piece (what the vision
+    graphs replay), each image's embedding equals the whole batch's."""
+    from conftest import random_image
+    from pipeline.models.loader import load_model
+    from pipeline.models.vision_graphs import forward_in_pieces
+    from pipeline.processing.image import preprocess_images
+    from pipeline.processing.processor import Processor
+
+    loaded = load_model(tiny_dir)
+    config = Processor.from_checkpoint(tiny_dir, loaded.config.image_token_id).image_config
+    images = [random_image(*size, seed=i) for i, size in enumerate([(64, 64), (56, 84)] * 2 + [(64, 64)] * 2)]
+    pixels, grid = preprocess_images(images, config)
+    grids = [tuple(g) for g in grid.tolist()]
+    tower = loaded.model.visual
+    calls = []
+
+    def eager_piece(shape, piece_pixels):
+        calls.append(shape)
+        return tower(piece_pixels, [shape[0]] * shape[1])
+
+    with torch.no_grad():
+        whole = tower(pixels, grids)
+        pieces = forward_in_pieces(pixels, grids, 4, eager_piece)
+    assert sorted(n for _, n in calls) == [2, 4]
+    for got, want in zip(pieces, whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,19 +1,22 @@
-"""Vision forwards replayed as CUDA graphs, one per batch shape.
+"""Vision forwards replayed as CUDA graphs.
 
 An eager vision forward of the 3B model is ~3,000 PyTorch calls (32 blocks
 of norms, projections, rotary, gathers and attention per window size); on
 a host that spends tens of microseconds per call, that host work, not the
 GPU, sets the encoder's throughput. Everything in a forward depends only on
-the pixels and on the images' grids, so for a batch shape (the tuple of
-grids) seen before, the forward is one graph replay: the pixels are copied
-into the graph's static input and its static output is read back.
+the pixels and on the images' grids, so a forward over a batch shape seen
+before is one graph replay: pixels copied into the graph's static input,
+its static output read back.
 
-Serving sees few shapes when clients send few image sizes, and many when
-they do not: a shape is captured only once it has come `capture_after`
-times, and at most `max_graphs` are kept (least recently used go first).
-Every graph draws on one memory pool; a replay's outputs are valid until
-the next replay, so the caller copies them out first (the encoder writes
-them into its arena right away).
+Batches come in every size, so graphs are not kept per batch: a batch is
+cut into runs of images of one grid, each run into power-of-two pieces of
+at most `max_images` (13 images of one size: 8 + 4 + 1), and each piece is
+a graph. One image size then needs at most log2(max_images) + 1 graphs.
+Images are independent in the tower (attention stays inside each image),
+so the pieces' outputs are the batch's. A shape is captured once it has
+come `capture_after` times, until then it runs eagerly; at most
+`max_graphs` are kept, least recently used dropped first. All graphs draw
+on one memory pool.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict
+from itertools import accumulate
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +33,45 @@ from pipeline.cuda_graphs import capture_graph
 
 log = logging.getLogger("epd.vision")
 
-Shape = tuple[tuple[int, int, int], ...]
+Grid = tuple[int, int, int]
+Shape = tuple[Grid, int]   # (grid, images)
 SEEN_LIMIT = 4096
+
+
+def plan_pieces(grids: list[Grid], max_images: int) -> list[tuple[Grid, list[int]]]:
+    """(grid, image indices) pieces covering every image once: images of one
+    grid grouped (in order of first appearance), each group cut into
+    power-of-two pieces of at most max_images, largest first."""
+    if max_images < 1:
+        raise ValueError(f"max_images={max_images}: want >= 1")
+    groups: dict[Grid, list[int]] = {}
+    for i, grid in enumerate(grids):
+        groups.setdefault(grid, []).append(i)
+    top = 1 << (max_images.bit_length() - 1)   # largest power of two <= max_images
+    pieces = []
+    for grid, indices in groups.items():
+        at = 0
+        while at < len(indices):
+            size = min(top, 1 << ((len(indices) - at).bit_length() - 1))
+            pieces.append((grid, indices[at:at + size]))
+            at += size
+    return pieces
+
+
+def forward_in_pieces(pixels: torch.Tensor, grids, max_images: int, run_piece) -> list[torch.Tensor]:
+    """A packed batch's forward as the forwards of its pieces (plan_pieces):
+    run_piece((grid, n), pixels of those n images) -> n embeddings, which
+    are copied out (a graph's next replay overwrites its outputs)."""
+    grids = [tuple(int(x) for x in g) for g in grids]
+    patches = [t * h * w for t, h, w in grids]
+    starts = [0, *accumulate(patches)]
+    outputs: list[torch.Tensor | None] = [None] * len(grids)
+    for grid, indices in plan_pieces(grids, max_images):
+        rows = [pixels[starts[i]:starts[i] + patches[i]] for i in indices]
+        piece = rows[0] if len(rows) == 1 else torch.cat(rows)
+        for i, out in zip(indices, run_piece((grid, len(indices)), piece)):
+            outputs[i] = out.clone()
+    return outputs
 
 
 @dataclass
@@ -43,11 +84,11 @@ class _Captured:
 
 class VisionGraphs:
     def __init__(self, tower: torch.nn.Module, device: torch.device, max_graphs: int = 16,
-                 capture_after: int = 2) -> None:
+                 capture_after: int = 2, max_images: int = 16) -> None:
         if device.type != "cuda":
             raise ValueError(f"vision graphs need a CUDA device, not {device}")
         self.tower, self.device = tower, device
-        self.max_graphs, self.capture_after = max_graphs, capture_after
+        self.max_graphs, self.capture_after, self.max_images = max_graphs, capture_after, max_images
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: OrderedDict[Shape, _Captured] = OrderedDict()
         self.seen: Counter[Shape] = Counter()
@@ -56,14 +97,16 @@ class VisionGraphs:
     @torch.inference_mode()
     def __call__(self, pixels: torch.Tensor, grids) -> list[torch.Tensor]:
         """The tower's forward: one [tokens_i, width] per image."""
-        shape: Shape = tuple(tuple(int(x) for x in g) for g in grids)
+        return forward_in_pieces(pixels, grids, self.max_images, self._run)
+
+    def _run(self, shape: Shape, pixels: torch.Tensor) -> list[torch.Tensor]:
         captured = self.graphs.get(shape)
         if captured is None:
-            if len(self.seen) > SEEN_LIMIT:   # many one-off shapes: forget them rather than grow
+            if len(self.seen) > SEEN_LIMIT:   # many one-off sizes: forget them rather than grow
                 self.seen.clear()
             self.seen[shape] += 1
             if self.seen[shape] < self.capture_after:
-                return self.tower(pixels, list(shape))
+                return self.tower(pixels, [shape[0]] * shape[1])
             captured = self._capture(shape, pixels)
         else:
             self.graphs.move_to_end(shape)
@@ -76,7 +119,7 @@ class VisionGraphs:
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
         started = time.monotonic()
-        plan = self.tower.plan(list(shape), self.device)
+        plan = self.tower.plan([shape[0]] * shape[1], self.device)
         static = pixels.to(self.device).clone()
         # The caller may be a worker thread, whose current device is not ours.
         with torch.cuda.device(self.device):
@@ -85,8 +128,8 @@ class VisionGraphs:
         captured = _Captured(graph, static, output, plan)
         self.graphs[shape] = captured
         self.seen.pop(shape, None)
-        log.info("captured a vision graph for %d image(s), %d patches, in %.2f s (%d kept)",
-                 len(shape), static.shape[0], time.monotonic() - started, len(self.graphs))
+        log.info("captured a vision graph for %d image(s) of grid %s in %.2f s (%d kept)",
+                 shape[1], shape[0], time.monotonic() - started, len(self.graphs))
         return captured
 
 
