@@ -126,6 +126,24 @@ def test_ten_concurrent_copies_of_a_new_image_are_encoded_once(epd):
     assert epd.total("epd_encoder_jobs_total", outcome="encoded") - before == 1
 
 
+def test_metrics_show_where_stage_time_goes(epd):
+    """The step and encoder totals behind /metrics move with the work: one
+    new image and 6 tokens add a vision forward, an image decode, and
+    decode steps with their time."""
+    names = {"steps": ("epd_generator_steps_total", "kind", "decode"),
+             "step_seconds": ("epd_generator_step_seconds_total", "kind", "decode"),
+             "forwards": ("epd_encoder_images_total", "phase", "forward"),
+             "decodes": ("epd_encoder_images_total", "phase", "decode"),
+             "forward_seconds": ("epd_encoder_busy_seconds_total", "phase", "forward")}
+    before = {k: epd.total(name, **{label: value}) for k, (name, label, value) in names.items()}
+    chat(epd, [image_bytes(random_image(72, 96, seed=5151))], "where does time go", max_tokens=6, ignore_eos=True)
+    time.sleep(1.5)  # stats are polled
+    after = {k: epd.total(name, **{label: value}) for k, (name, label, value) in names.items()}
+    assert after["forwards"] - before["forwards"] == 1 and after["decodes"] - before["decodes"] == 1
+    assert after["steps"] - before["steps"] >= 5     # 6 tokens: the first from the prefill, 5 decode steps
+    assert after["step_seconds"] > before["step_seconds"] and after["forward_seconds"] > before["forward_seconds"]
+
+
 def test_client_aborts_leave_nothing_held(epd):
     def abandon(i):
         try:

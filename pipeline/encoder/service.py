@@ -69,6 +69,7 @@ class EncoderService:
         self.decoded: deque[_Decoded] = deque()
         self.counters: Counter[str] = Counter()
         self.busy: Counter[str] = Counter()   # seconds and images per window, for the profile log
+        self.busy_totals: Counter[str] = Counter()   # the same since start, for /metrics
         self.forwards = 0
         self._decode_wake = asyncio.Event()
         self._compute_wake = asyncio.Event()
@@ -99,6 +100,10 @@ class EncoderService:
                   "arena_entries": float(len(index.entries)), "arena_capacity": float(self.store.info.capacity),
                   "in_flight": float(len(self.flight))}
         counters = dict(self.counters, forwards=self.forwards, evictions=index.evictions)
+        totals = self.busy_totals + self.busy   # the open window's share too
+        for phase in ("decode", "forward"):
+            counters[f"busy_us.{phase}"] = int(totals[f"{phase}_s"] * 1e6)
+            counters[f"images.{phase}"] = int(totals[f"{phase}_images"])
         return protocol.StageStats("encoder", self.settings.encoder_id, counters, gauges, self.settings.address)
 
     def handle_hello(self, reply_to: str) -> None:
@@ -151,7 +156,7 @@ class EncoderService:
             results = await loop.run_in_executor(
                 self.decode_pool, self.media.decode, [media for _, media in items], self.image_config)
             self.busy["decode_s"] += time.perf_counter() - started
-            self.busy["decoded_images"] += len(items)
+            self.busy["decode_images"] += len(items)
             for (key, _), result in zip(items, results):
                 if isinstance(result, ImageDecodeError):
                     self._fail_all(key, f"bad image: {result}", retryable=False)
@@ -220,13 +225,14 @@ class EncoderService:
             started = time.monotonic()
             await asyncio.sleep(PROFILE_LOG_S)
             busy, self.busy = self.busy, Counter()
+            self.busy_totals.update(busy)
             if busy:
                 seconds = time.monotonic() - started
                 log.info("encoder profile %s", json.dumps({
                     "seconds": round(seconds, 1), "decode_busy": round(busy["decode_s"] / seconds, 3),
                     "forward_busy": round(busy["forward_s"] / seconds, 3), "forwards": self.forwards,
-                    "decoded_images": busy["decoded_images"], "forward_images": busy["forward_images"],
-                    "decode_ms_per_image": round(busy["decode_s"] * 1000 / max(1, busy["decoded_images"]), 2),
+                    "decoded_images": busy["decode_images"], "forward_images": busy["forward_images"],
+                    "decode_ms_per_image": round(busy["decode_s"] * 1000 / max(1, busy["decode_images"]), 2),
                     "forward_ms_per_image": round(busy["forward_s"] * 1000 / max(1, busy["forward_images"]), 2),
                     "queued": len(self.decoded)}, separators=(",", ":")))
 

@@ -6,7 +6,9 @@ mode), or work outside the step (messages, embedding copies). Each step is
 timed in phases with time.perf_counter (the forward's phase ends when the
 sampled tokens reach the host, so it includes the GPU's time) and summed
 per kind of step; `window()` returns the sums since the last call and
-starts a new window. Recording costs a few dictionary updates per step.
+starts a new window. `counters()` are running totals since start (steps,
+tokens and microseconds per kind), which /metrics exports as Prometheus
+counters. Recording costs a few dictionary updates per step.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class StepProfile:
     def __init__(self) -> None:
         self._start = time.monotonic()
         self._steps: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self._totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])   # kind -> steps, tokens, s
         self.outside_s = 0.0   # the caller's own work between steps
 
     def record(self, kind: str, phases: dict[str, float], tokens: int, seqs: int) -> None:
@@ -38,6 +41,17 @@ class StepProfile:
         row["seqs"] += seqs
         for phase, seconds in phases.items():
             row[phase + "_s"] += seconds
+        total = self._totals[kind]
+        total[0] += 1
+        total[1] += tokens
+        total[2] += sum(phases.values())
+
+    def counters(self) -> dict[str, int]:
+        """{"steps.KIND", "step_tokens.KIND", "step_us.KIND": running totals}."""
+        out = {}
+        for kind, (steps, tokens, seconds) in self._totals.items():
+            out.update({f"steps.{kind}": steps, f"step_tokens.{kind}": tokens, f"step_us.{kind}": int(seconds * 1e6)})
+        return out
 
     def window(self) -> dict:
         """{"seconds": window length, "outside_share": ..., kind: {"steps",

@@ -319,5 +319,5 @@ class GeneratorService:
                   "encoder_cache_tokens": float(scheduler.encoder_cache.used_tokens),
                   "pending_embeddings": float(len(self.engine.pending_embeddings))}
         counters = dict(self.counters, yields=scheduler.stats["yields_total"],
-                        preemptions=scheduler.stats["preemptions_total"])
+                        preemptions=scheduler.stats["preemptions_total"], **self.engine.profile.counters())
         return protocol.StageStats("generator", self.address, counters, gauges, self.address)

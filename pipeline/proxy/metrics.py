@@ -39,6 +39,30 @@ _STAGE_GAUGES = {
 }
 
 
+# Running totals that stages report as "PREFIX.LABEL" counters, exported as
+# one labelled Prometheus counter each: (name, help, stage, prefix, label, scale).
+_LABELLED_COUNTERS = (
+    ("epd_generator_steps", "Engine steps by kind (decode, mixed, encode, idle)", "generator", "steps.", "kind", 1),
+    ("epd_generator_step_tokens", "Tokens run by engine steps, by kind", "generator", "step_tokens.", "kind", 1),
+    ("epd_generator_step_seconds", "Time in engine steps, by kind (rate() of it: the share of time busy)",
+     "generator", "step_us.", "kind", 1e-6),
+    ("epd_encoder_busy_seconds", "Encoder time decoding images and in vision forwards", "encoder", "busy_us.",
+     "phase", 1e-6),
+    ("epd_encoder_images", "Images decoded and run through the vision tower", "encoder", "images.", "phase", 1),
+)
+
+
+def _labelled_counters(stats: list):
+    for name, doc, stage, prefix, label, scale in _LABELLED_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=["stage", "instance", label])
+        for s in stats:
+            if s.stage == stage:
+                for key, value in s.counters.items():
+                    if key.startswith(prefix):
+                        family.add_metric([s.stage, s.instance, key[len(prefix):]], value * scale)
+        yield family
+
+
 class _StageCollector:
     def __init__(self, dispatcher) -> None:
         self.dispatcher = dispatcher
@@ -64,3 +88,4 @@ class _StageCollector:
                     if s.stage == stage:
                         family.add_metric([s.stage, s.instance], getattr(s, field).get(key, 0))
                 yield family
+        yield from _labelled_counters(stats)
