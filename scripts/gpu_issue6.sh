@@ -8,7 +8,8 @@
 # check), ENGINE_CHECK=1 (the engine check's speed modes first),
 # TEXT_CHECK=F (after the search: EPD alone at the aggregated maximum rate
 # with a fraction F of text-only requests, TEXT_BUDGET_S seconds),
-# VISION_GRAPHS=N (vision forwards replayed as CUDA graphs, N shapes kept),
+# VISION_GRAPHS=N (vision forwards replayed as CUDA graphs, N shapes kept;
+# VISION_WARMUP sizes captured at start-up, default 640x640),
 # MAX_STEP_PROMPTS (requests per search step at most; default 240), GEMV=1
 # (decode projections through the small-batch Triton matmul), MAX_BATCHED
 # (the generators' token budget per step: shorter mixed steps, lower TPOT).
@@ -29,9 +30,13 @@ stage_args=(--stage-arg generator=--kv-cache-mib=32768 --stage-arg generator=--e
 [ "${GEMV:-0}" = 1 ] && stage_args+=(--stage-arg generator=--decode-matmul=triton)
 [ -n "${MAX_BATCHED:-}" ] && stage_args+=(--stage-arg "generator=--max-num-batched-tokens=$MAX_BATCHED")
 # Both layouts replay vision forwards as graphs (the encoder in EPD, each
-# generator's local vision forward in aggregated mode): a fair baseline.
-[ -n "${VISION_GRAPHS:-}" ] && stage_args+=(--stage-arg "encoder=--vision-graphs=$VISION_GRAPHS"
-                                            --stage-arg "generator=--vision-graphs=$VISION_GRAPHS")
+# generator's local vision forward in aggregated mode), those of the
+# workload's image size captured at start-up: a fair baseline.
+if [ -n "${VISION_GRAPHS:-}" ]; then
+  for role in encoder generator; do
+    stage_args+=(--stage-arg "$role=--vision-graphs=$VISION_GRAPHS" --stage-arg "$role=--vision-warmup=${VISION_WARMUP:-640x640}")
+  done
+fi
 extra=()
 [ -n "${FIXED_RATE:-}" ] && extra+=(--fixed-rate "$FIXED_RATE")
 [ -n "${TEXT_ONLY:-}" ] && extra+=(--text-only-fraction "$TEXT_ONLY")

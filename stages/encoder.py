@@ -27,7 +27,7 @@ from pipeline.media.registry import create_backend
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import resolve_device
 from pipeline.models.stage_model import add_random_weights_flag, load_stage_model, stage_model_dir
-from pipeline.models.vision_graphs import vision_forward
+from pipeline.models.vision_flags import add_vision_graph_flags, check_vision_graph_flags, stage_vision_forward
 from pipeline.processing.image import ImageProcessorConfig
 
 log = logging.getLogger("epd.encoder")
@@ -47,8 +47,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--arena-mib", type=int, default=256, help="embedding arena size")
     p.add_argument("--block-kib", type=int, default=64, help="arena block size")
     p.add_argument("--max-batch-tokens", type=int, default=16384, help="visual tokens per forward")
-    p.add_argument("--vision-graphs", type=int, default=0, metavar="N",
-                   help="CUDA: replay vision forwards as CUDA graphs, keeping up to N batch shapes (0: eager)")
+    add_vision_graph_flags(p)
     p.add_argument("--lease-timeout", type=float, default=30.0, help="seconds without heartbeat")
     p.add_argument("--decode-threads", type=int, default=4)
     p.add_argument("--announce-to", action="append", default=[], help="inbox to announce to; repeatable")
@@ -56,8 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("arena_mib", "block_kib", "max_batch_tokens", "decode_threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.vision_graphs < 0:
-        p.error("--vision-graphs must be 0 or more")
+    check_vision_graph_flags(p, args)
     return args
 
 
@@ -80,7 +78,8 @@ async def serve(args: argparse.Namespace) -> None:
     with ThreadPoolExecutor(args.decode_threads, "decode") as decode_pool, \
             ThreadPoolExecutor(1, "compute") as compute_pool:
         service = EncoderService(settings, store, tower, media, image_config, outbox.try_send,
-                                 decode_pool, compute_pool, vision_forward(tower, device, args.vision_graphs))
+                                 decode_pool, compute_pool,
+                                 stage_vision_forward(tower, device, args, image_config))
         for address in args.announce_to:
             service.handle_hello(address)
         log.info("encoder %s ready on %s (device %s, media %s)", args.instance, args.address, device, media.name)

@@ -28,7 +28,7 @@ from pipeline.media.registry import create_backend
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import resolve_device
 from pipeline.models.stage_model import add_random_weights_flag, load_stage_model, stage_model_dir
-from pipeline.models.vision_graphs import vision_forward
+from pipeline.models.vision_flags import add_vision_graph_flags, check_vision_graph_flags, stage_vision_forward
 from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
 from pipeline.processing.tokenizer import Tokenizer
 
@@ -55,9 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--media-backend", default="auto", help="aggregated mode: image decoder")
     p.add_argument("--decode-matmul", choices=("cublas", "triton"), default="cublas",
                    help="CUDA: decode steps' projections through cuBLAS or the small-batch Triton matmul")
-    p.add_argument("--vision-graphs", type=int, default=0, metavar="N",
-                   help="aggregated mode, CUDA: replay vision forwards as CUDA graphs, keeping up to N batch "
-                        "shapes (0: eager)")
+    add_vision_graph_flags(p, "aggregated mode, ")
     p.add_argument("--eager-mixed", action="store_true",
                    help="CUDA: run mixed prefill/decode steps eagerly, not through the fused kernels and "
                         "CUDA graphs (the default wherever decode runs them)")
@@ -66,8 +64,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                  "encoder_cache_tokens", "local_encode_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.vision_graphs < 0:
-        p.error("--vision-graphs must be 0 or more")
+    check_vision_graph_flags(p, args)
     return args
 
 
@@ -88,7 +85,8 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
                           decode_matmul=args.decode_matmul)
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
     if aggregated:
-        engine.runner.vision = vision_forward(model.visual, device, args.vision_graphs)
+        engine.runner.vision = stage_vision_forward(model.visual, device, args,
+                                                    ImageProcessorConfig.from_checkpoint(model_dir))
     decode = image_decoder(args.media_backend, device, model_dir) if aggregated else None
     return GeneratorService(engine, args.address, device, send, args.encoders, args.embedding_timeout, decode)
 

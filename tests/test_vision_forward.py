@@ -92,3 +92,19 @@ def test_a_batch_run_in_pieces_equals_one_forward(tiny_dir):
     assert sorted(n for _, n in calls) == [2, 4]
     for got, want in zip(pieces, whole, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_vision_warmup_sizes_parse_and_need_graphs():
+    import argparse
+
+    from pipeline.models.vision_flags import add_vision_graph_flags, check_vision_graph_flags, parse_image_sizes
+
+    assert parse_image_sizes("640x480, 1280x720") == [(640, 480), (1280, 720)]
+    for bad in ("640", "640x0", "ax3", "640x480x2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="WIDTHxHEIGHT"):
+            parse_image_sizes(bad)
+    parser = argparse.ArgumentParser()
+    add_vision_graph_flags(parser)
+    check_vision_graph_flags(parser, parser.parse_args(["--vision-graphs", "8", "--vision-warmup", "640x640"]))
+    with pytest.raises(SystemExit):   # a warm-up without graphs is a mistake, said at start-up
+        check_vision_graph_flags(parser, parser.parse_args(["--vision-warmup", "640x640"]))

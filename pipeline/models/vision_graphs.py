@@ -74,6 +74,10 @@ def forward_in_pieces(pixels: torch.Tensor, grids, max_images: int, run_piece) -
     return outputs
 
 
+def _powers_of_two_up_to(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -98,6 +102,20 @@ class VisionGraphs:
     def __call__(self, pixels: torch.Tensor, grids) -> list[torch.Tensor]:
         """The tower's forward: one [tokens_i, width] per image."""
         return forward_in_pieces(pixels, grids, self.max_images, self._run)
+
+    def warm(self, grids: list[Grid]) -> int:
+        """Capture, now, every piece shape of these grids (1, 2, 4, ...
+        max_images images), so serving never pauses on a first capture;
+        returns how many were captured."""
+        patch_dim = self.tower.patch_embed.proj.weight[0].numel()
+        shapes = [(tuple(g), n) for g in grids for n in _powers_of_two_up_to(self.max_images)]
+        if len(shapes) > self.max_graphs:
+            raise ValueError(f"{len(shapes)} warm-up graphs do not fit max_graphs={self.max_graphs}")
+        fresh = [shape for shape in shapes if shape not in self.graphs]
+        for grid, n in fresh:
+            t, h, w = grid
+            self._capture((grid, n), torch.zeros(n * t * h * w, patch_dim, device=self.device))
+        return len(fresh)
 
     def _run(self, shape: Shape, pixels: torch.Tensor) -> list[torch.Tensor]:
         captured = self.graphs.get(shape)
@@ -133,11 +151,19 @@ class VisionGraphs:
         return captured
 
 
-def vision_forward(tower: torch.nn.Module, device: torch.device, max_graphs: int):
-    """The tower itself, or VisionGraphs over it where asked for and possible."""
+def vision_forward(tower: torch.nn.Module, device: torch.device, max_graphs: int,
+                   warm_grids: list[Grid] = ()):
+    """The tower itself, or VisionGraphs over it where asked for and possible
+    (with the piece shapes of `warm_grids` captured up front)."""
     if max_graphs == 0:
         return tower
     if device.type != "cuda":
         log.warning("vision graphs need a CUDA device; %s runs vision forwards eagerly", device)
         return tower
-    return VisionGraphs(tower, device, max_graphs)
+    graphs = VisionGraphs(tower, device, max_graphs)
+    if warm_grids:
+        started = time.monotonic()
+        captured = graphs.warm(list(warm_grids))
+        log.info("captured %d vision graphs for grids %s in %.1f s", captured, list(warm_grids),
+                 time.monotonic() - started)
+    return graphs

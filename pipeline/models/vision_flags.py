@@ -1,0 +1,47 @@
+"""The stages' flags for how vision forwards run: eagerly, or replayed as CUDA
+graphs (pipeline/models/vision_graphs.py), with the graphs of known image
+sizes captured at start-up so serving never pauses on a first capture."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import torch
+
+from pipeline.models.vision_graphs import vision_forward
+from pipeline.processing.image import ImageProcessorConfig, image_grid_thw
+
+_SIZE = re.compile(r"^(\d+)x(\d+)$")
+
+
+def add_vision_graph_flags(parser: argparse.ArgumentParser, scope: str = "") -> None:
+    parser.add_argument("--vision-graphs", type=int, default=0, metavar="N",
+                        help=f"{scope}CUDA: replay vision forwards as CUDA graphs, keeping up to N (0: eager)")
+    parser.add_argument("--vision-warmup", type=parse_image_sizes, default=[], metavar="WxH[,WxH...]",
+                        help="image sizes (pixels) whose vision graphs are captured at start-up")
+
+
+def parse_image_sizes(text: str) -> list[tuple[int, int]]:
+    """"640x480,1280x720" -> [(640, 480), (1280, 720)] as (width, height)."""
+    sizes = []
+    for item in text.split(","):
+        match = _SIZE.match(item.strip())
+        if not match or not all(int(v) > 0 for v in match.groups()):
+            raise argparse.ArgumentTypeError(f"image size {item!r}: want WIDTHxHEIGHT, e.g. 640x480")
+        sizes.append((int(match[1]), int(match[2])))
+    return sizes
+
+
+def check_vision_graph_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.vision_graphs < 0:
+        parser.error("--vision-graphs must be 0 or more")
+    if args.vision_warmup and not args.vision_graphs:
+        parser.error("--vision-warmup needs --vision-graphs")
+
+
+def stage_vision_forward(tower: torch.nn.Module, device: torch.device, args: argparse.Namespace,
+                         image_config: ImageProcessorConfig):
+    """The callable a stage runs vision forwards with, from its flags."""
+    grids = [image_grid_thw(h, w, image_config) for w, h in args.vision_warmup]
+    return vision_forward(tower, device, args.vision_graphs, list(dict.fromkeys(grids)))
