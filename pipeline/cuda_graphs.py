@@ -6,12 +6,14 @@ from __future__ import annotations
 import torch
 
 
-def capture_graph(device: torch.device, pool, forward,
-                  error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture_graph(device: torch.device, pool, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Capture `forward()` (static inputs in, one tensor out) as a CUDA graph
     in `pool`, after one warm-up run outside it; returns (graph, output).
-    error_mode "thread_local" lets other threads keep using the GPU during
-    the capture (an encoder's image decoders)."""
+
+    Capture errors are thread-local: a capture mid-serving (a decode bucket
+    past the start-up ones, a new image size) must not fail the other
+    threads' GPU work meanwhile, such as image decoding with nvJPEG, whose
+    allocations a process-wide capture mode would refuse."""
     if device.index is not None and torch.cuda.current_device() != device.index:
         raise RuntimeError(f"CUDA graphs for {device} must be captured with it as the current "
                            "device (torch.cuda.set_device)")
@@ -21,6 +23,6 @@ def capture_graph(device: torch.device, pool, forward,
         forward()  # warm-up outside the graph (lazy inits, autotuning, Triton compiles)
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = forward()
     return graph, out

@@ -284,7 +284,10 @@ def decode_speed(device: torch.device, batches: list[int], fast_decode: bool, ou
     for batch in batches:
         engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
                                                        max_num_seqs=batch + 1, kv_cache_bytes=8 << 30,
-                                                       fast_decode=fast_decode, fast_mixed=None,
+                                                       # Mixed steps are timed only with cuBLAS:
+                                                       # no mixed graphs to capture for gemv.
+                                                       fast_decode=fast_decode,
+                                                       fast_mixed=None if matmul == "cublas" else False,
                                                        decode_matmul=matmul), device)
         from pipeline.processing.processor import MultimodalPrompt
         for i in range(batch):

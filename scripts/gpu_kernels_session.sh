@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The kernel-level GPU checks in one device call (nvidia-h200, ~7 minutes):
 #   run(command="bash scripts/gpu_kernels_session.sh", carry=[".whl"], kind="nvidia-h200")
-# 1. vision tower: ours against transformers, eager against CUDA graphs;
-# 2. small-M Triton matmul (gemv) against cuBLAS at the 3B decode shapes;
-# 3. unified mixed-step attention against flash SDPA on prefill shapes;
-# 4. the engine check: kernels, reference, fast decode with cuBLAS and
-#    with gemv projections, side by side.
+# 1. the engine check: correctness, kernels, reference, fast decode with
+#    cuBLAS and with gemv projections, side by side;
+# 2. vision tower: ours against transformers, eager against CUDA graphs;
+# 3. small-M Triton matmul (gemv) against cuBLAS at the 3B decode shapes;
+# 4. unified mixed-step attention against flash SDPA on prefill shapes.
 # Each writes its JSON into $OUT; SKIP="vision gemv ..." leaves parts out.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,9 +19,11 @@ part() {   # part NAME SECONDS COMMAND...
   echo "== $name"
   timeout -s TERM "$limit" "$@" || { echo "== $name exit $?"; rc=1; }
 }
-part vision 150 python3 scripts/gpu_vision_check.py --json "$OUT/vision.json"
-part gemv 200 python3 scripts/gpu_gemv_bench.py --json "$OUT/gemv.json"
-part unified 130 python3 scripts/gpu_unified_bench.py --json "$OUT/unified.json"
-part engine 200 python3 scripts/gpu_engine_check.py --modes kernels,reference,fast_decode,fast_decode_gemv \
+# The engine check first: it is issue 4's acceptance run (reference, cuBLAS
+# and gemv decode side by side). Limits sum to under the 600 s of one call.
+part engine 220 python3 scripts/gpu_engine_check.py --modes correctness,kernels,reference,fast_decode,fast_decode_gemv \
   --no-profile --json "$OUT/engine.json"
+part vision 110 python3 scripts/gpu_vision_check.py --json "$OUT/vision.json"
+part gemv 140 python3 scripts/gpu_gemv_bench.py --budget-s 110 --json "$OUT/gemv.json"
+part unified 90 python3 scripts/gpu_unified_bench.py --sweep-budget-s 30 --json "$OUT/unified.json"
 exit $rc

@@ -135,7 +135,8 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, stride_ptr, cu_ptr
     # (whole tiles up to its first query position) are visible to all rows.
     last = tl.minimum(first_q + BLOCK_Q, q_len)
     end = tl.where((ctx < 0) | (first_q >= q_len), 0, ctx + last).to(tl.int32)
-    full = tl.minimum((ctx + first_q + 1) // BLOCK_N * BLOCK_N, end).to(tl.int32)
+    # (Clamped at 0: integer // truncates toward zero for a padding ctx < 0.)
+    full = tl.maximum(tl.minimum((ctx + first_q + 1) // BLOCK_N * BLOCK_N, end), 0).to(tl.int32)
     m = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32) - float("inf")
     l = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], dtype=tl.float32)

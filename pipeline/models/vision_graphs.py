@@ -141,8 +141,7 @@ class VisionGraphs:
         static = pixels.to(self.device).clone()
         # The caller may be a worker thread, whose current device is not ours.
         with torch.cuda.device(self.device):
-            graph, output = capture_graph(self.device, self.pool, lambda: self.tower.embed_planned(static, plan),
-                                          error_mode="thread_local")
+            graph, output = capture_graph(self.device, self.pool, lambda: self.tower.embed_planned(static, plan))
         captured = _Captured(graph, static, output, plan)
         self.graphs[shape] = captured
         self.seen.pop(shape, None)
