@@ -96,7 +96,6 @@ class VisionGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: OrderedDict[Shape, _Captured] = OrderedDict()
         self.seen: Counter[Shape] = Counter()
-        self.replays = 0
 
     @torch.inference_mode()
     def __call__(self, pixels: torch.Tensor, grids) -> list[torch.Tensor]:
@@ -130,7 +129,6 @@ class VisionGraphs:
             self.graphs.move_to_end(shape)
         captured.pixels.copy_(pixels, non_blocking=True)
         captured.graph.replay()
-        self.replays += 1
         return list(captured.output.split(captured.plan.units_per_image))
 
     def _capture(self, shape: Shape, pixels: torch.Tensor) -> _Captured:
