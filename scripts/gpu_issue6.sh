@@ -10,8 +10,9 @@
 # with a fraction F of text-only requests, TEXT_BUDGET_S seconds),
 # VISION_GRAPHS=N (vision forwards replayed as CUDA graphs, N shapes kept;
 # VISION_WARMUP sizes captured at start-up, default 640x640),
-# MAX_STEP_PROMPTS (requests per search step at most; default 240), GEMV=1
-# (decode projections through the small-batch Triton matmul), MAX_BATCHED
+# MAX_STEP_PROMPTS (requests per search step at most; default 240), GEMV=0
+# (decode projections on cuBLAS only, not the small-batch Triton matmul that
+# is the default on CUDA), MAX_BATCHED
 # (the generators' token budget per step: shorter mixed steps, lower TPOT).
 # The summary, the plot and a tarball of every result and log land in $OUT.
 set -uo pipefail
@@ -27,7 +28,7 @@ STEPS=${STEPS:-5} LOW=${LOW:-0.5} HIGH=${HIGH:-16}
 stage_args=(--stage-arg generator=--kv-cache-mib=32768 --stage-arg generator=--encoder-cache-tokens=65536
             --stage-arg generator=--max-num-seqs=128 --stage-arg encoder=--arena-mib=4096)
 [ "${EAGER_MIXED:-0}" = 1 ] && stage_args+=(--stage-arg generator=--eager-mixed)
-[ "${GEMV:-0}" = 1 ] && stage_args+=(--stage-arg generator=--decode-matmul=triton)
+[ "${GEMV:-1}" = 0 ] && stage_args+=(--stage-arg generator=--decode-matmul=cublas)
 [ -n "${MAX_BATCHED:-}" ] && stage_args+=(--stage-arg "generator=--max-num-batched-tokens=$MAX_BATCHED")
 # Both layouts replay vision forwards as graphs (the encoder in EPD, each
 # generator's local vision forward in aggregated mode), those of the

@@ -53,8 +53,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--local-encode-tokens", type=int, default=8192, help="aggregated mode: per step")
     p.add_argument("--embedding-timeout", type=float, default=60.0, help="seconds an image may take")
     p.add_argument("--media-backend", default="auto", help="aggregated mode: image decoder")
-    p.add_argument("--decode-matmul", choices=("cublas", "triton"), default="cublas",
-                   help="CUDA: decode steps' projections through cuBLAS or the small-batch Triton matmul")
+    p.add_argument("--decode-matmul", choices=("cublas", "triton"), default=None,
+                   help="CUDA: decode steps' projections through cuBLAS or the small-batch Triton matmul "
+                        "(default: triton wherever the fused decode kernels run)")
     add_vision_graph_flags(p, "aggregated mode, ")
     p.add_argument("--eager-mixed", action="store_true",
                    help="CUDA: run mixed prefill/decode steps eagerly, not through the fused kernels and "

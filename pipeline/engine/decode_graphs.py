@@ -70,13 +70,17 @@ class DecodeGraphs:
 
     `fused`: run the Triton kernels; None picks them on CUDA when Triton is
     installed. True elsewhere needs TRITON_INTERPRET=1 (tests on the CPU).
-    `matmul`: one of MATMULS; "triton" sends the projections of buckets of
-    up to GEMV_MAX_ROWS rows (pipeline/kernels/ops.py) to gemv, the larger
-    ones stay on cuBLAS. It is part of the fused path, so it turns that on."""
+    `matmul`: one of MATMULS; "triton" sends the projections of small
+    buckets to gemv where it beats cuBLAS (pipeline/kernels/gemv.py,
+    beats_cublas), the rest stay on cuBLAS. It is part of the fused path, so
+    it turns that on. None: "triton" wherever the fused path runs on CUDA."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, null_block: int, max_batch: int,
                  max_len: int, device: torch.device, use_graphs: bool, min_len: int = 256,
-                 fused: bool | None = None, matmul: str = "cublas") -> None:
+                 fused: bool | None = None, matmul: str | None = None) -> None:
+        if matmul is None:
+            cuda_kernels = device.type == "cuda" and kernels.available(device)
+            matmul = "triton" if fused is not False and cuda_kernels else "cublas"
         if matmul not in MATMULS:
             raise ValueError(f"decode matmul {matmul!r}: want one of {MATMULS}")
         if matmul == "triton" and fused is False:
@@ -187,11 +191,10 @@ class DecodeGraphs:
     def _forward(self, bb: int, lb: int) -> torch.Tensor:
         if self.fused:
             # triton only where it runs
-            from pipeline.kernels.ops import GEMV_MAX_ROWS
             from pipeline.kernels.paged_backend import TritonDecodeAttention
             attn = TritonDecodeAttention(self.cache, self.slot_mapping[:bb], self._tables(bb, lb),
                                          self.lengths[:bb], lb, self.num_sms,
-                                         GEMV_MAX_ROWS if self.matmul == "triton" else 0)
+                                         self.matmul == "triton")
         else:
             attn = GatherDecodeAttention(self.cache, self.slot_mapping[:bb], self._tables(bb, lb),
                                          self.lengths[:bb], lb)

@@ -57,13 +57,14 @@ class EngineConfig:
     # (docs/benchmarks.md, step profile).
     fast_mixed: bool | None = None
     # What fast decode steps' projections run on: "cublas" (F.linear), or
-    # "triton": the small-M Triton matmul for batch buckets of up to 8 rows
-    # (turns on the fused decode path; mixed steps keep cuBLAS). cuBLAS
-    # until scripts/gpu_engine_check.py has timed both on the GPU.
-    decode_matmul: str = "cublas"
+    # "triton": the small-M Triton matmul for the smallest batch buckets
+    # (turns on the fused decode path; mixed steps keep cuBLAS). None:
+    # "triton" wherever the fused decode kernels run. On an H200 it took
+    # batch-1 decode from 3.01 to 2.74 ms (docs/benchmarks.md, issue 4).
+    decode_matmul: str | None = None
 
     def __post_init__(self):
-        if self.decode_matmul not in MATMULS:
+        if self.decode_matmul is not None and self.decode_matmul not in MATMULS:
             raise ValueError(f"EngineConfig.decode_matmul={self.decode_matmul!r}: want one of {MATMULS}")
 
 
@@ -106,7 +107,7 @@ class Engine:
             captured = decode.capture_up_to(config.capture_decode_len)
             if captured:
                 log.info("captured %d decode graphs in %.1f s", captured, time.monotonic() - started)
-        elif config.decode_matmul != "cublas":
+        elif config.decode_matmul not in (None, "cublas"):
             raise ValueError(f"EngineConfig.decode_matmul={config.decode_matmul!r} needs fast decode, "
                              f"which is off here (fast_decode={config.fast_decode}, device {device})")
         self.runner = ModelRunner(model, kv, device, decode, self._mixed(model, kv, num_blocks, decode, device))

@@ -70,20 +70,39 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.num_stages={self.num_stages}: want 1..8")
 
 
+# Output widths from here up (gate_up, lm_head of a 3B model) give even
+# 8-row blocks several programs per SM; narrower ones (qkv, o_proj, down)
+# need 4-row blocks to fill the GPU.
+_WIDE_N = 32 * _SMS
+
+
 def default_config(M: int, N: int, K: int) -> GemvConfig:
-    """A starting point per shape until scripts/gpu_gemv_bench.py has
-    measured the device: an accumulator that fits registers for the mode,
-    and enough row blocks for about two programs on each of an H200's SMs."""
-    mode = "defer" if M <= 2 else "reduce" if M <= 4 else "dot"
-    block_n = 16
-    if mode != "dot" and triton.cdiv(N, block_n) < 2 * _SMS:
-        block_n = 8
+    """The fastest config scripts/gpu_gemv_bench.py measured on an H200 at
+    the 3B decode shapes (docs/benchmarks.md, issue 4): FMA with a deferred
+    K-sum into 4-row blocks for narrow outputs at 1-2 rows; tensor-core dots
+    otherwise (64-row blocks for wide outputs, 16 for narrow)."""
+    wide = N >= _WIDE_N
+    if M <= 2 and not wide:
+        block_n, block_k, mode, stages = 4, 512, "defer", 4
+    elif wide:
+        block_n, block_k, mode, stages = 64, 128, "dot", 4
+    else:
+        block_n, block_k, mode, stages = 16, 256, "dot", 4
     # Split-K costs a second launch: only where the row blocks cannot even
     # give every SM one program and K is long enough to share out.
     split_k = 1
     while K >= 4096 and triton.cdiv(N, block_n) * split_k < _SMS and split_k < 8:
         split_k *= 2
-    return GemvConfig(block_n=block_n, block_k=256, split_k=split_k, mode=mode)
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, mode=mode, num_stages=stages)
+
+
+def beats_cublas(M: int, N: int) -> bool:
+    """Whether gemv's default config was measured faster than cuBLAS for
+    M rows and N outputs (H200, 3B decode shapes, gpu_gemv_bench.py):
+    narrow outputs at 1-2 rows (1.13-1.30x), wide ones up to 8 rows
+    (1.02-1.07x). Past that cuBLAS's tiles reuse each weight read enough
+    to win; at 3-8 rows of a narrow output it was 2-8% ahead."""
+    return 0 < M <= (8 if N >= _WIDE_N else 2)
 
 
 @triton.jit

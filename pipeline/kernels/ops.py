@@ -7,25 +7,18 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.kernels.activation import silu_mul
-from pipeline.kernels.gemv import gemv
+from pipeline.kernels.gemv import beats_cublas, gemv
 from pipeline.kernels.rmsnorm import add_rms_norm
 from pipeline.models.layers import LayerOps, RMSNorm
 
-# Up to this many rows a projection is pure weight streaming, which gemv is
-# shaped for; past it cuBLAS's tiles reuse each weight read enough to win.
-GEMV_MAX_ROWS = 8
-
-
 class TritonLayerOps(LayerOps):
-    """`gemv_max_rows`: projections of inputs with at most this many rows
-    (all leading dims flattened) run gemv with its default config, the rest
-    F.linear; 0 keeps F.linear throughout. The choice depends on shapes
-    only, so a captured graph holds one or the other."""
+    """`use_gemv`: projections run the small-M Triton matmul wherever it was
+    measured faster than cuBLAS (gemv.beats_cublas: few rows), F.linear
+    elsewhere. The choice depends on shapes only, so a captured graph holds
+    one or the other."""
 
-    def __init__(self, gemv_max_rows: int = 0) -> None:
-        if gemv_max_rows < 0:
-            raise ValueError(f"gemv_max_rows={gemv_max_rows}: want >= 0")
-        self.gemv_max_rows = gemv_max_rows
+    def __init__(self, use_gemv: bool = False) -> None:
+        self.use_gemv = use_gemv
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
                      norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +28,6 @@ class TritonLayerOps(LayerOps):
         return silu_mul(gate_up)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.shape[:-1].numel()
-        if 0 < rows <= self.gemv_max_rows:
+        if self.use_gemv and beats_cublas(x.shape[:-1].numel(), weight.shape[0]):
             return gemv(x, weight, bias)
         return F.linear(x, weight, bias)

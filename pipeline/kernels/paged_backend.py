@@ -23,10 +23,10 @@ from pipeline.models.layers import LayerOps
 class TritonDecodeAttention(AttentionBackend):
     """Row i attends to keys 0..lengths[i]-1 of its block table; its new K/V
     goes to slot_mapping[i]. Padding rows point at the null block.
-    `gemv_max_rows`: see TritonLayerOps (0: projections on F.linear)."""
+    `use_gemv`: see TritonLayerOps."""
 
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 lengths: torch.Tensor, max_len: int, num_sms: int, gemv_max_rows: int = 0) -> None:
+                 lengths: torch.Tensor, max_len: int, num_sms: int, use_gemv: bool = False) -> None:
         self.cache = cache
         self.slot_mapping = slot_mapping
         self.block_tables = block_tables
@@ -34,7 +34,7 @@ class TritonDecodeAttention(AttentionBackend):
         kv_heads = cache.keys.shape[3]
         # Fixed per (batch, max_len) bucket, so a captured graph's grid fits every replay.
         self.num_splits, self.split_len = plan_splits(block_tables.shape[0], kv_heads, max_len, num_sms)
-        self.ops = TritonLayerOps(gemv_max_rows)
+        self.ops = TritonLayerOps(use_gemv)
 
     def attend(self, layer, q, k, v):
         k_slots, v_slots = self.cache.layer_slots(layer)
