@@ -8,7 +8,8 @@
 # 4. unified mixed-step attention against flash SDPA on prefill shapes;
 # 5. a profile of one eager vision forward (kernels by GPU time).
 # Each writes its JSON into $OUT; SKIP="vision gemv ..." leaves parts out,
-# ENGINE_MODES picks the engine check's modes.
+# ENGINE_MODES picks the engine check's modes, VISION_BATCHES the vision
+# check's batch sizes.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
@@ -26,7 +27,7 @@ part() {   # part NAME SECONDS COMMAND...
 part engine 220 python3 scripts/gpu_engine_check.py \
   --modes "${ENGINE_MODES:-correctness,kernels,reference,fast_decode,fast_decode_gemv}" \
   --no-profile --json "$OUT/engine.json"
-part vision 110 python3 scripts/gpu_vision_check.py --json "$OUT/vision.json"
+part vision 150 python3 scripts/gpu_vision_check.py --batches "${VISION_BATCHES:-1,4,8,16}" --json "$OUT/vision.json"
 part gemv 140 python3 scripts/gpu_gemv_bench.py --budget-s 110 --json "$OUT/gemv.json"
 part unified 90 python3 scripts/gpu_unified_bench.py --sweep-budget-s 30 --json "$OUT/unified.json"
 part vprofile 90 python3 scripts/gpu_vision_profile.py --json "$OUT/vision_profile.json"

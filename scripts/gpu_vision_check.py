@@ -3,11 +3,12 @@
 
 1. equality: our Qwen2.5-VL-3B-shaped tower (random bf16 weights made on the
    GPU) against transformers' own vision tower holding the same weights, on
-   batches of 640x640 images; our captured forward (VisionGraphs) against
-   our eager one;
+   batches of 640x640 images, on plain PyTorch ops and on the fused Triton
+   kernels (VisionTower.fuse, the stages' default on CUDA); our captured
+   forward (VisionGraphs, fused) against our eager fused one;
 2. speed, side by side in one run, per batch size: transformers' forward,
-   ours eager, ours replayed as a CUDA graph; milliseconds per image and
-   the ratios.
+   ours on plain ops, ours fused, ours fused and replayed as a CUDA graph;
+   milliseconds per image and the ratios.
 
     python3 scripts/gpu_vision_check.py [--batches 1,4,8,16] [--json out.json]
 
@@ -17,6 +18,7 @@ Each section that fails is recorded with its traceback and the run goes on.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -30,6 +32,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from pipeline.models.shape_configs import shape_config  # noqa: E402
+from pipeline.models.vision_flags import fuse_vision_tower  # noqa: E402
 from pipeline.models.shape_folder import shape_model_dir  # noqa: E402
 from pipeline.models.shapes import random_model  # noqa: E402
 from pipeline.models.vision_graphs import VisionGraphs  # noqa: E402
@@ -89,10 +92,12 @@ def run(device: torch.device, batches: list[int], size: int, report: dict) -> No
     except Exception:  # recorded; the graph check and our timings still run
         report["transformers_error"] = traceback.format_exc()
         hf = None
+    fused = copy.deepcopy(tower)
+    report["fused_kernels"] = fuse_vision_tower(fused, device)
     # Off the GPU (a dry run of this script) the eager tower stands in.
-    graphs = tower
+    graphs = fused
     if device.type == "cuda":
-        graphs = VisionGraphs(tower, device, max_graphs=8)
+        graphs = VisionGraphs(fused, device, max_graphs=8)
         started = time.monotonic()
         report["warm_graphs"] = graphs.warm([image_grid_thw(size, size, config)])   # pieces of 1..16 images
         report["warm_s"] = time.monotonic() - started
@@ -104,14 +109,20 @@ def run(device: torch.device, batches: list[int], size: int, report: dict) -> No
         try:
             with torch.inference_mode():
                 eager = torch.cat(tower(pixels, grids))
-                row["graph_vs_eager"] = compare(torch.cat(graphs(pixels, grids)), eager)
+                fused_out = torch.cat(fused(pixels, grids))
+                row["fused_vs_eager"] = compare(fused_out, eager)
+                row["graph_vs_fused"] = compare(torch.cat(graphs(pixels, grids)), fused_out)
                 row["eager_ms_per_image"] = median_ms(lambda: tower(pixels, grids), 5) / b
+                row["fused_ms_per_image"] = median_ms(lambda: fused(pixels, grids), 5) / b
                 row["graph_ms_per_image"] = median_ms(lambda: graphs(pixels, grids), 10) / b
-                row["graph_vs_eager"]["speedup"] = row["eager_ms_per_image"] / row["graph_ms_per_image"]
+                row["fused_speedup"] = row["eager_ms_per_image"] / row["fused_ms_per_image"]
+                row["graph_speedup_over_fused"] = row["fused_ms_per_image"] / row["graph_ms_per_image"]
                 if hf is not None:
-                    row["vs_transformers"] = compare(eager, hf_forward(hf, pixels, grid))
+                    want = hf_forward(hf, pixels, grid)
+                    row["vs_transformers"] = compare(eager, want)
+                    row["fused_vs_transformers"] = compare(fused_out, want)
                     row["transformers_ms_per_image"] = median_ms(lambda: hf_forward(hf, pixels, grid), 3) / b
-                    row["eager_vs_transformers"] = row["transformers_ms_per_image"] / row["eager_ms_per_image"]
+                    row["fused_vs_transformers_speed"] = row["transformers_ms_per_image"] / row["fused_ms_per_image"]
         except Exception:  # recorded; the next batch size still runs
             row["error"] = traceback.format_exc()
         print(f"batch {b}:", json.dumps(row), flush=True)

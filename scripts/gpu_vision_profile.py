@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Where the vision tower's time goes on a GPU (run on the GPU box, not in
 CI): one eager forward of a batch of 640x640 images through our
-Qwen2.5-VL-3B-shaped tower (random bf16 weights made on the GPU), under
+Qwen2.5-VL-3B-shaped tower (random bf16 weights made on the GPU), on the
+fused kernels the stages use (--plain: plain PyTorch ops), under
 torch.profiler; prints the kernels by GPU time, their share, and the
 tower's achieved TFLOP/s from its matmul FLOPs.
 
-    python3 scripts/gpu_vision_profile.py [--batch 16] [--json out.json]
+    python3 scripts/gpu_vision_profile.py [--batch 16] [--plain] [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from gpu_vision_check import images  # noqa: E402
 from pipeline.models.shape_folder import shape_model_dir  # noqa: E402
 from pipeline.models.shapes import random_model  # noqa: E402
+from pipeline.models.vision_flags import fuse_vision_tower  # noqa: E402
 from pipeline.processing.image import ImageProcessorConfig, preprocess_images  # noqa: E402
 
 
@@ -43,10 +45,12 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--plain", action="store_true", help="plain PyTorch ops, not the fused kernels")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     device = torch.device("cuda:0")
     tower = random_model("qwen2.5-vl-3b", torch.bfloat16, device, part="visual").model
+    fused = not args.plain and fuse_vision_tower(tower, device)
     config = ImageProcessorConfig.from_checkpoint(shape_model_dir("qwen2.5-vl-3b"))
     pixels, grid = preprocess_images(images(args.batch), config)
     pixels = pixels.to(device)
@@ -64,7 +68,7 @@ def main() -> int:
             tower(pixels, grids)
             torch.cuda.synchronize()
     tokens = pixels.shape[0]
-    report = {"batch": args.batch, "patches": tokens, "forward_ms": forward_s * 1000,
+    report = {"batch": args.batch, "patches": tokens, "fused": fused, "forward_ms": forward_s * 1000,
               "ms_per_image": forward_s * 1000 / args.batch,
               "matmul_tflops": matmul_flops(tower, tokens) / forward_s / 1e12}
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]

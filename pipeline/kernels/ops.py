@@ -1,5 +1,6 @@
-"""The decoder layer's fused elementwise ops (LayerOps) on Triton kernels,
-and optionally its projections on the small-M matmul (gemv)."""
+"""The fused elementwise ops of decoder layers and vision blocks (LayerOps)
+on Triton kernels, and optionally the projections on the small-M matmul
+(gemv)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from pipeline.kernels.activation import silu_mul
 from pipeline.kernels.gemv import beats_cublas, gemv
 from pipeline.kernels.rmsnorm import add_rms_norm
+from pipeline.kernels.vision_rotary import rotate_qk_
 from pipeline.models.layers import LayerOps, RMSNorm
 
 class TritonLayerOps(LayerOps):
@@ -26,6 +28,9 @@ class TritonLayerOps(LayerOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul(gate_up)
+
+    def rotate_qk_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rotate_qk_(qkv, cos, sin)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.use_gemv and beats_cublas(x.shape[:-1].numel(), weight.shape[0]):

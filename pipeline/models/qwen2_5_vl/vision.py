@@ -14,12 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.layers import GatedMLP, RMSNorm
+from pipeline.models.layers import GatedMLP, LayerOps, RMSNorm, rotate_float
 from pipeline.models.qwen2_5_vl.config import VisionConfig
 from pipeline.models.qwen2_5_vl.vision_layout import Grid, batch_layout
 from pipeline.models.segments import SegmentPlan, plan_segments, segment_attention
 
 _NORM_EPS = 1e-6  # fixed in the reference vision tower, not read from config
+# fuse() pads the MLP's hidden width to a multiple of this (see GatedMLP.fuse).
+_MLP_PAD = 64
 
 
 class PatchEmbed(nn.Module):
@@ -52,19 +54,16 @@ class VisionAttention(nn.Module):
                 segments: SegmentPlan) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
-        qkv[:, :2] = _rotate_float(qkv[:, :2], cos, sin)   # q and k in one pass
+        qkv[:, :2] = rotate_float(qkv[:, :2], cos, sin)   # q and k in one pass
         out = segment_attention(qkv, segments, scale=self.head_dim ** -0.5)
         return self.proj(out.reshape(n, -1))
 
-
-def _rotate_float(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, ..., dim]; cos/sin: [tokens, dim] in float32. The reference
-    applies the vision rotary in float32 whatever the dtype."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-    return (xf * cos.view(shape) + rotated * sin.view(shape)).to(x.dtype)
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      segments: SegmentPlan, ops: LayerOps) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = ops.rotate_qk_(self.qkv(x).view(n, 3, self.num_heads, self.head_dim), cos, sin)
+        out = segment_attention(qkv, segments, scale=self.head_dim ** -0.5)
+        return self.proj(out.reshape(n, -1))
 
 
 class VisionBlock(nn.Module):
@@ -78,6 +77,14 @@ class VisionBlock(nn.Module):
     def forward(self, x, cos, sin, segments: SegmentPlan):
         x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
+
+    def forward_fused(self, x, delta, cos, sin, segments: SegmentPlan, ops: LayerOps):
+        """forward() on fused kernels, each residual add folded into the norm
+        after it: takes and returns (residual stream, the last sub-block's
+        output not yet added), as the decoder layers do."""
+        x, h = ops.add_rms_norm(x, delta, self.norm1)
+        x, h = ops.add_rms_norm(x, self.attn.forward_fused(h, cos, sin, segments, ops), self.norm2)
+        return x, self.mlp.forward_fused(h, ops)
 
 
 class PatchMerger(nn.Module):
@@ -94,6 +101,9 @@ class PatchMerger(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.unit_dim))
 
+    def forward_fused(self, x: torch.Tensor, delta: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.mlp(ops.add_rms_norm(x, delta, self.ln_q)[1].view(-1, self.unit_dim))
+
 
 class VisionTower(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
@@ -106,6 +116,15 @@ class VisionTower(nn.Module):
         self.window_units = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
         self.full_attention = frozenset(cfg.fullatt_block_indexes)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.ops: LayerOps | None = None   # set by fuse()
+
+    def fuse(self, ops: LayerOps) -> None:
+        """Run forwards on `ops`' fused kernels (pipeline.kernels.ops on a
+        GPU): float32 rotary in place, residual adds folded into the norms,
+        gate and up as one matmul over a zero-padded aligned width."""
+        for block in self.blocks:
+            block.mlp.fuse(pad_to=_MLP_PAD)
+        self.ops = ops
 
     def _inv_freq(self) -> torch.Tensor:
         dim = self.cfg.head_dim // 2
@@ -140,8 +159,14 @@ class VisionTower(nn.Module):
     def embed_planned(self, pixel_values: torch.Tensor, plan: TowerPlan) -> torch.Tensor:
         """[units of all images, out width], images in order."""
         x = self._to_window_order(self.patch_embed(pixel_values), plan.window_index)
-        for i, block in enumerate(self.blocks):
-            x = block(x, plan.cos, plan.sin, plan.frames if i in self.full_attention else plan.windows)
+        segments = [plan.frames if i in self.full_attention else plan.windows for i in range(len(self.blocks))]
+        if self.ops is not None:
+            delta = None
+            for block, seg in zip(self.blocks, segments):
+                x, delta = block.forward_fused(x, delta, plan.cos, plan.sin, seg, self.ops)
+            return self.merger.forward_fused(x, delta, self.ops).index_select(0, plan.reverse_index)
+        for block, seg in zip(self.blocks, segments):
+            x = block(x, plan.cos, plan.sin, seg)
         return self.merger(x).index_select(0, plan.reverse_index)
 
     def _to_window_order(self, x: torch.Tensor, window_index: torch.Tensor) -> torch.Tensor:
