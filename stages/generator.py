@@ -22,7 +22,10 @@ import torch
 import zmq
 
 from pipeline import protocol, transport
+from pipeline.arg_parser import OneLineParser
 from pipeline.engine.engine import Engine, EngineConfig
+from pipeline.engine.kv_budget import (
+    GIB, DeviceMemory, LanguageShape, activation_reserve, auto_kv_cache_bytes, forward_peak_bytes)
 from pipeline.generator.service import GeneratorService
 from pipeline.media.registry import create_backend
 from pipeline.models.errors import ModelLoadError
@@ -34,9 +37,36 @@ from pipeline.processing.tokenizer import Tokenizer
 
 log = logging.getLogger("epd.generator")
 
+AUTO = "auto"
+# --kv-cache-mib auto off CUDA: enough for tests and a few requests on a
+# laptop (~7k tokens of a 3B model); there is no device memory to size from.
+CPU_KV_CACHE_MIB = 256
+
+
+def kv_cache_mib_arg(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
+    try:
+        mib = int(text)
+    except ValueError:
+        mib = 0
+    if mib < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: want a whole number of MiB >= 1, or auto")
+    return mib
+
+
+def utilization_arg(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        share = 0.0
+    if not 0 < share <= 1:   # also false for nan
+        raise argparse.ArgumentTypeError(f"{text!r}: want a share of the GPU's memory in (0, 1], e.g. 0.9")
+    return share
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="stages.generator", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="stages.generator", description=__doc__.splitlines()[0])
     p.add_argument("--address", required=True, help="inbox address to bind (ipc:// or tcp://)")
     p.add_argument("--instance", default="generator-0")
     p.add_argument("--model", type=Path, help="checkpoint folder (default: the built-in tiny model)")
@@ -48,7 +78,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument("--kv-cache-mib", type=kv_cache_mib_arg, default=AUTO, metavar="MIB|auto",
+                   help="KV cache size; auto: from --gpu-memory-utilization on CUDA, "
+                        f"{CPU_KV_CACHE_MIB} MiB elsewhere (default: auto)")
+    p.add_argument("--gpu-memory-utilization", type=utilization_arg, default=0.9, metavar="F",
+                   help="CUDA, --kv-cache-mib auto: the share of the GPU's total memory this process may use "
+                        "in all: weights, KV cache, activations, CUDA graphs (default: 0.9)")
     p.add_argument("--encoder-cache-tokens", type=int, default=16384)
     p.add_argument("--local-encode-tokens", type=int, default=8192, help="aggregated mode: per step")
     p.add_argument("--embedding-timeout", type=float, default=60.0, help="seconds an image may take")
@@ -61,8 +96,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="CUDA: run mixed prefill/decode steps eagerly, not through the fused kernels and "
                         "CUDA graphs (the default wherever decode runs them)")
     args = p.parse_args(argv)
-    for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "kv_cache_mib",
-                 "encoder_cache_tokens", "local_encode_tokens"):
+    for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "encoder_cache_tokens",
+                 "local_encode_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     check_vision_graph_flags(p, args)
@@ -80,16 +115,49 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
     aggregated = args.mode == "aggregated"
     model = load_stage_model(model_dir, args.random_weights, dtype, device,
                              part=None if aggregated else "language")
+    kv_bytes, sized_by = kv_cache_bytes(args, model, device)
     config = EngineConfig(args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
-                          args.kv_cache_mib << 20, args.encoder_cache_tokens, aggregated,
+                          kv_bytes, args.encoder_cache_tokens, aggregated,
                           args.local_encode_tokens, fast_mixed=False if args.eager_mixed else None,
                           decode_matmul=args.decode_matmul)
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
+    blocks = engine.scheduler.config.num_blocks
+    log.info("KV cache: %.2f GiB (%d MiB), %d blocks of %d tokens, %d tokens (%s)", kv_bytes / GIB,
+             kv_bytes >> 20, blocks, args.block_size, blocks * args.block_size, sized_by)
     if aggregated:
         engine.runner.vision = stage_vision_forward(model.visual, device, args,
                                                     ImageProcessorConfig.from_checkpoint(model_dir))
     decode = image_decoder(args.media_backend, device, model_dir) if aggregated else None
     return GeneratorService(engine, args.address, device, send, args.encoders, args.embedding_timeout, decode)
+
+
+def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> tuple[int, str]:
+    """The KV cache's bytes from --kv-cache-mib, and how they were chosen (for
+    the log). Call with the weights on the device and nothing else yet."""
+    if args.kv_cache_mib != AUTO:
+        return args.kv_cache_mib << 20, f"--kv-cache-mib {args.kv_cache_mib}"
+    if device.type != "cuda":
+        return CPU_KV_CACHE_MIB << 20, f"--kv-cache-mib auto on {device.type}"
+    text = model.cfg.text
+    dtype_bytes = next(model.parameters()).element_size()
+    shape = LanguageShape(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, text.hidden_size,
+                          text.intermediate_size, text.vocab_size, text.max_position_embeddings, dtype_bytes)
+    vision_bytes = 0
+    if args.mode == "aggregated":
+        vision = model.cfg.vision
+        patches = args.local_encode_tokens * vision.spatial_merge_size ** 2
+        vision_bytes = forward_peak_bytes(patches, vision.hidden_size, vision.intermediate_size, dtype_bytes)
+    reserve = activation_reserve(shape, args.max_num_batched_tokens, args.max_num_seqs, vision_bytes)
+    # Loading leaves freed staging buffers in torch's cache: hand them back,
+    # so that what the allocator holds is the weights and `free` is true.
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    memory = DeviceMemory(total, free, torch.cuda.memory_reserved(device))
+    kv_bytes = auto_kv_cache_bytes(memory, args.gpu_memory_utilization, reserve, shape.kv_bytes_per_token,
+                                   args.max_num_batched_tokens, args.block_size)
+    return kv_bytes, (f"--kv-cache-mib auto: {args.gpu_memory_utilization:g} of {total / GIB:.1f} GiB, "
+                      f"{free / GIB:.1f} GiB free; weights {memory.held / GIB:.1f} GiB, "
+                      f"{reserve / GIB:.1f} GiB kept for activations and CUDA graphs")
 
 
 def image_decoder(backend: str, device, model_dir: Path):

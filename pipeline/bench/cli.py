@@ -19,6 +19,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from pipeline.arg_parser import OneLineParser
 from pipeline.bench.client import BenchError, bench_runner, run_sweep
 from pipeline.bench.dataset import RandomMMConfig, parse_bucket_config
 from pipeline.bench.metrics import parse_goodput
@@ -26,12 +27,6 @@ from pipeline.bench.search import CRITERIA, DEFAULT_TARGET, SearchSettings, pars
 
 # A search step sends at least this many requests, so attainment is a fraction of something.
 MIN_STEP_PROMPTS = 10
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        # The default prints the whole usage block; one line is easier to read in logs.
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_rates(text: str) -> list[float]:

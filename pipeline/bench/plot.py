@@ -84,7 +84,7 @@ def _series_arg(text: str) -> tuple[str, Path]:
 
 
 def main(argv: list[str] | None = None, prog: str = "epd-bench-plot") -> int:
-    from pipeline.bench.cli import OneLineParser
+    from pipeline.arg_parser import OneLineParser
     from pipeline.bench.metrics import parse_goodput
 
     parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])

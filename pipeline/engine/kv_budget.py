@@ -1,0 +1,140 @@
+"""How much device memory the KV cache gets when it is sized from the GPU
+(the generator's `--kv-cache-mib auto`).
+
+The rule is vLLM's `--gpu-memory-utilization`: the process may use that
+share of the GPU's total memory in all. The KV cache gets the share less
+what the process already holds (weights, CUDA context) less a reserve for
+what is allocated after the cache (step activations, CUDA graphs), and
+never more than is free on the device now less that reserve, since other
+processes may share the GPU. Plain numbers in, bytes out: the generator
+reads them from torch.cuda once the weights are on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.engine.kv_blocks import blocks_needed
+
+GIB = 1 << 30
+
+# Device memory the process holds outside torch's allocator, which
+# torch.cuda.memory_reserved does not count: the CUDA context and loaded
+# kernel modules (cuBLAS, Triton). About half a GiB with CUDA 12's lazy
+# module loading; what other processes hold cannot be told apart from it.
+CUDA_CONTEXT_BYTES = 512 << 20
+
+# The reserve formula counts a step's big tensors, not the many small ones
+# (attention partials, sampler temporaries, cuBLAS workspaces, graph
+# bookkeeping) nor the allocator's fragmentation; this floor covers those.
+MIN_RESERVE_BYTES = 1 * GIB
+
+# The captured graphs' shape buckets (pipeline/engine/mixed_graphs.py,
+# decode_graphs.py): mixed steps by total tokens, powers of two from 16 to
+# 512 then multiples of 512; decode steps by context length, powers of two
+# from 256 up to the model's context, times batch sizes doubling up to
+# max_num_seqs (whose rows sum to under 2 * max_num_seqs).
+MIXED_SMALLEST, MIXED_COARSE = 16, 512
+DECODE_SHORTEST = 256
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One GPU as torch.cuda reports it, in bytes."""
+
+    total: int  # the device's memory
+    free: int   # free on the device now: excludes every process's use, ours included
+    held: int   # what torch's allocator holds for this process (the loaded weights)
+
+
+@dataclass(frozen=True)
+class LanguageShape:
+    """The language model's sizes that set the KV cache's and a step's memory."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_context: int  # max_position_embeddings
+    dtype_bytes: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def forward_peak_bytes(tokens: int, hidden_size: int, intermediate_size: int, dtype_bytes: int) -> int:
+    """Activations alive at a transformer layer's widest moment, its MLP:
+    per token the residual stream, its normed copy and the attention and MLP
+    outputs (4 x hidden) beside gate_up (2 x intermediate) and SiLU(gate) *
+    up (intermediate). Earlier layers' activations are freed by then."""
+    return tokens * (4 * hidden_size + 3 * intermediate_size) * dtype_bytes
+
+
+def activation_reserve(text: LanguageShape, max_num_batched_tokens: int, max_num_seqs: int,
+                       vision_forward_bytes: int = 0) -> int:
+    """Bytes to leave free beside the KV cache: a mixed step's peak and the
+    CUDA graphs captured after the cache is allocated. `vision_forward_bytes`:
+    the peak of a vision forward that runs in the same process (aggregated
+    mode), from forward_peak_bytes."""
+    # A full step's activations count twice: in the allocator's cache (eager
+    # steps, each graph's warm-up run) and in the mixed graphs' private pool,
+    # which keeps its peak. The decode graphs' pool holds a step of at most
+    # max_num_seqs tokens. A vision forward counts twice for the same reason
+    # (eager forwards and the vision graphs' pool).
+    step_tokens = 2 * max_num_batched_tokens + max_num_seqs
+    activations = forward_peak_bytes(step_tokens, text.hidden_size, text.intermediate_size, text.dtype_bytes)
+    activations += 2 * vision_forward_bytes
+    # Logits are vocab wide but only for the rows that sample, at most one
+    # per sequence: the eager step's, its float32 copy in the sampler, and
+    # one set per captured graph, each kept alive as that graph's output.
+    graph_rows = max_num_seqs * (_mixed_buckets(max_num_batched_tokens) + 2 * _decode_length_buckets(text))
+    logits = text.vocab_size * (max_num_seqs * (text.dtype_bytes + 4) + graph_rows * text.dtype_bytes)
+    return max(MIN_RESERVE_BYTES, activations + logits)
+
+
+def auto_kv_cache_bytes(memory: DeviceMemory, utilization: float, reserve: int, kv_bytes_per_token: int,
+                        max_num_batched_tokens: int, block_size: int) -> int:
+    """The KV cache's bytes: utilization * total, less what the process
+    holds (memory.held plus CUDA_CONTEXT_BYTES) and the reserve, at most
+    memory.free less the reserve. ValueError, naming the numbers and the
+    flags to change, if that is less than one request of
+    max_num_batched_tokens tokens needs."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    held = memory.held + CUDA_CONTEXT_BYTES
+    share = int(utilization * memory.total) - held - reserve
+    budget = min(share, memory.free - reserve)
+    needed = blocks_needed(max_num_batched_tokens, block_size) * block_size * kv_bytes_per_token
+    if budget < needed:
+        raise ValueError(
+            f"--kv-cache-mib auto leaves {_gib(budget)} GiB for the KV cache, less than one "
+            f"{max_num_batched_tokens}-token request needs ({_gib(needed)} GiB): {utilization:g} of the GPU's "
+            f"{_gib(memory.total)} GiB ({_gib(memory.free)} GiB free), less {_gib(held)} GiB this process holds "
+            f"(weights, CUDA context) and {_gib(reserve)} GiB kept for activations and CUDA graphs; raise "
+            f"--gpu-memory-utilization, lower --max-num-batched-tokens, free memory on the GPU, "
+            f"or give --kv-cache-mib a size")
+    return budget
+
+
+def _mixed_buckets(max_num_batched_tokens: int) -> int:
+    doublings = _doublings(min(max_num_batched_tokens, MIXED_COARSE), MIXED_SMALLEST)
+    return doublings + max(0, -(-max_num_batched_tokens // MIXED_COARSE) - 1)
+
+
+def _decode_length_buckets(text: LanguageShape) -> int:
+    return _doublings(text.max_context, DECODE_SHORTEST)
+
+
+def _doublings(limit: int, smallest: int) -> int:
+    """How many sizes smallest, 2 * smallest, ... it takes to reach limit."""
+    count, size = 1, smallest
+    while size < limit:
+        size, count = size * 2, count + 1
+    return count
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
