@@ -13,7 +13,8 @@
 # MAX_STEP_PROMPTS (requests per search step at most; default 240), GEMV=0
 # (decode projections on cuBLAS only, not the small-batch Triton matmul that
 # is the default on CUDA), MAX_BATCHED
-# (the generators' token budget per step: shorter mixed steps, lower TPOT).
+# (the generators' token budget per step: shorter mixed steps, lower TPOT),
+# KV_MIB (the generators' KV cache, default 32768; auto sizes it from the GPU).
 # The summary, the plot and a tarball of every result and log land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,7 +26,7 @@ fi
 
 IMAGES=${IMAGES:-4} INPUT_LEN=${INPUT_LEN:-400} BUDGET_S=${BUDGET_S:-240}
 STEPS=${STEPS:-5} LOW=${LOW:-0.5} HIGH=${HIGH:-16}
-stage_args=(--stage-arg generator=--kv-cache-mib=32768 --stage-arg generator=--encoder-cache-tokens=65536
+stage_args=(--stage-arg "generator=--kv-cache-mib=${KV_MIB:-32768}" --stage-arg generator=--encoder-cache-tokens=65536
             --stage-arg generator=--max-num-seqs=128 --stage-arg encoder=--arena-mib=4096)
 [ "${EAGER_MIXED:-0}" = 1 ] && stage_args+=(--stage-arg generator=--eager-mixed)
 [ "${GEMV:-1}" = 0 ] && stage_args+=(--stage-arg generator=--decode-matmul=cublas)

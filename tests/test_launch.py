@@ -77,6 +77,27 @@ def test_fewer_gpus_than_stages_share_round_robin():
     assert all(s.env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID" for s in specs if s.role != "proxy")
 
 
+def memory_share(spec) -> list[str]:
+    return [a.split("=", 1)[1] for a in spec.args if a.startswith("--gpu-memory-utilization=")]
+
+
+def test_generators_sharing_a_gpu_split_its_memory():
+    """1 encoder + 3 generators on 2 GPUs: cuda:0 holds the encoder and
+    generator-1 (0.9 - 0.1), cuda:1 two generators (0.45 each); alone on a
+    GPU a generator keeps its own default; the operator's flag wins."""
+    specs = plan_stages(options(), HostFacts(gpu_count=2))
+    gens = by_role(specs)["generator"]
+    assert [(g.device, memory_share(g)) for g in gens] == [
+        ("cuda:1", ["0.450"]), ("cuda:0", ["0.800"]), ("cuda:1", ["0.450"])]
+    assert all(memory_share(g) == [] for g in by_role(plan_stages(options(), HostFacts(gpu_count=4)))["generator"])
+    own = plan_stages(options(stage_args=(("generator", "--gpu-memory-utilization=0.3"),)), HostFacts(gpu_count=2))
+    assert all(memory_share(g) == ["0.3"] for g in by_role(own)["generator"])
+    cpu = plan_stages(options(device="cpu"), HostFacts(gpu_count=0))
+    assert all(memory_share(g) == [] for g in by_role(cpu)["generator"])
+    with pytest.raises(LaunchError, match="no memory left"):
+        plan_stages(options(encoders=9, generators=1), HostFacts(gpu_count=1))
+
+
 def test_gpu_subset():
     specs = plan_stages(options(encoders=1, generators=2, gpus=(1, 3)), HostFacts(gpu_count=4))
     assert [s.device for s in specs] == ["cuda:1", "cuda:3", "cuda:1", "cpu"]

@@ -35,6 +35,15 @@ MANAGED_FLAGS = {
                         "--generators", "--mode"}),
 }
 
+# Generators size their KV cache from a share of their GPU's memory
+# (--gpu-memory-utilization, 0.9 alone on a GPU). Where stages share a GPU
+# the plan splits that share: each encoder there keeps ENCODER_GPU_SHARE of
+# it (weights, arena, vision activations: a 3B-class tower with a 4 GiB
+# arena needs about 7 GiB, a tenth of an 80 GiB GPU), the generators split
+# the rest evenly. An operator's own --gpu-memory-utilization wins.
+GPU_SHARE = 0.9
+ENCODER_GPU_SHARE = 0.1
+
 # torch numbers GPUs fastest-first by default, nvidia-smi by PCI bus; --gpus
 # takes the numbers an operator reads in nvidia-smi, and every stage must agree.
 CUDA_ENV = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
@@ -152,10 +161,11 @@ def plan_stages(options: LaunchOptions, facts: HostFacts) -> list[StageSpec]:
         args = ("--address", address[name], "--instance", name, "--model", str(model),
                 "--model-id", model_id, "--device", device, *dtype, *weights, *extra["encoder"])
         specs.append(_spec(options, "encoder", name, address[name], device, args, env))
-    for name, device in zip(generators, devices[len(encoders):]):
+    shares = generator_memory_shares(devices[:len(encoders)], devices[len(encoders):], extra["generator"])
+    for name, device, share in zip(generators, devices[len(encoders):], shares):
         args = ("--address", address[name], "--instance", name, "--model", str(model),
                 "--device", device, *dtype, *weights, "--mode", options.mode, *to_encoders,
-                *extra["generator"])
+                *share, *extra["generator"])
         specs.append(_spec(options, "generator", name, address[name], device, args, env))
     args = ("--host", options.host, "--port", str(options.port), "--address", address["proxy"],
             "--model", str(model), "--model-id", model_id, "--mode", options.mode, *to_encoders,
@@ -176,6 +186,27 @@ def stage_devices(options: LaunchOptions, facts: HostFacts, count: int) -> list[
         raise LaunchError(f"--gpus {missing[0]}: only {facts.gpu_count} GPU(s) are visible "
                           f"(numbers 0..{facts.gpu_count - 1})")
     return [f"cuda:{gpus[i % len(gpus)]}" for i in range(count)]
+
+
+def generator_memory_shares(encoder_devices: list[str], generator_devices: list[str],
+                            generator_args: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Per generator, the --gpu-memory-utilization flag that splits a shared
+    GPU (see GPU_SHARE), or nothing: alone on its GPU, on the CPU, or when
+    the operator set the flag."""
+    if any(arg.split("=")[0] == "--gpu-memory-utilization" for arg in generator_args):
+        return [()] * len(generator_devices)
+    shares = []
+    for device in generator_devices:
+        encoders, generators = encoder_devices.count(device), generator_devices.count(device)
+        if not device.startswith("cuda") or encoders + generators == 1:
+            shares.append(())
+            continue
+        share = (GPU_SHARE - ENCODER_GPU_SHARE * encoders) / generators
+        if share <= 0:
+            raise LaunchError(f"{device} holds {encoders} encoders beside a generator: no memory left for "
+                              f"its KV cache; use more GPUs (--gpus) or fewer stages")
+        shares.append((f"--gpu-memory-utilization={share:.3f}",))
+    return shares
 
 
 def shared_gpus(specs: list[StageSpec]) -> dict[str, list[str]]:
