@@ -59,8 +59,8 @@ class EngineConfig:
     # What fast decode steps' projections run on: "cublas" (F.linear), or
     # "triton": the small-M Triton matmul for the smallest batch buckets
     # (turns on the fused decode path; mixed steps keep cuBLAS). None:
-    # "triton" wherever the fused decode kernels run. On an H200 it took
-    # batch-1 decode from 3.01 to 2.74 ms (docs/benchmarks.md, issue 4).
+    # "triton" wherever the fused decode kernels run. On the 2xH200 box it
+    # took batch-1 decode from 2.93 to 2.81 ms (docs/benchmarks.md, run G).
     decode_matmul: str | None = None
 
     def __post_init__(self):

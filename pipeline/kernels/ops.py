@@ -13,6 +13,7 @@ from pipeline.kernels.rmsnorm import add_rms_norm
 from pipeline.kernels.vision_rotary import rotate_qk_
 from pipeline.models.layers import LayerOps, RMSNorm
 
+
 class TritonLayerOps(LayerOps):
     """`use_gemv`: projections run the small-M Triton matmul wherever it was
     measured faster than cuBLAS (gemv.beats_cublas: few rows), F.linear

@@ -55,8 +55,9 @@ def stage_vision_forward(tower: torch.nn.Module, device: torch.device, args: arg
 
 def fuse_vision_tower(tower: torch.nn.Module, device: torch.device) -> bool:
     """Put the tower on the fused Triton kernels where they run (CUDA, triton
-    installed); on an H200 that took a 640x640 Qwen2.5-VL-3B forward from
-    16.2 ms per image (docs/benchmarks.md). Returns whether it did."""
+    installed); on an H200 that took a Qwen2.5-VL-3B forward of 16 images of
+    640x640 from 16.3 to 6.1 ms per image (docs/benchmarks.md). Returns
+    whether it did."""
     from pipeline import kernels
     if device.type != "cuda" or not kernels.available(device) or not hasattr(tower, "fuse"):
         return False
