@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from pipeline import transport
+from pipeline.arg_parser import OneLineParser
 from pipeline.arena.store import ArenaStore
 from pipeline.encoder.service import EncoderService, EncoderSettings
 from pipeline.media.registry import create_backend
@@ -34,7 +35,7 @@ log = logging.getLogger("epd.encoder")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="stages.encoder", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="stages.encoder", description=__doc__.splitlines()[0])
     p.add_argument("--address", required=True, help="inbox address to bind (ipc:// or tcp://)")
     p.add_argument("--instance", default="encoder-0", help="stable name of this stage (shm cleanup, ids)")
     p.add_argument("--model", type=Path, help="checkpoint folder (default: the built-in tiny model)")

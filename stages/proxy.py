@@ -16,6 +16,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from pipeline import transport
+from pipeline.arg_parser import OneLineParser
 from pipeline.hashing import media_salt
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config
@@ -32,7 +33,7 @@ def _addresses(values: list[str]) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="stages.proxy", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="stages.proxy", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", help="this proxy's inbox (default: ipc:// in the private run folder)")

@@ -90,5 +90,19 @@ def test_prompt_longer_than_context(tiny_dir):
 
 def test_max_tokens_must_be_positive(tiny_dir):
     result = run(["--model", str(tiny_dir), "--prompt", "x", "--max-tokens", "0"])
-    assert result.returncode != 0
-    assert "--max-tokens must be at least 1" in result.stderr
+    assert_one_line_error(result, "--max-tokens must be at least 1")
+
+
+@pytest.mark.parametrize("program, args, fragment", [
+    ("stages.encoder", ["--address", "ipc:///tmp/unused", "--arena-mib", "lots"], "--arena-mib"),
+    ("stages.proxy", ["--bogus"], "--bogus"),
+    ("stages.generator", ["--address", "ipc:///tmp/unused", "--mode", "both"], "--mode"),
+])
+def test_stages_refuse_bad_flags_in_one_line(program, args, fragment):
+    """A stage started with a bad flag (by hand, or from a unit file) says
+    so in one line and exits 2, before loading anything."""
+    result = subprocess.run([sys.executable, "-m", program, *args], capture_output=True, text=True,
+                            timeout=60, cwd=REPO)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{program}: error: ") and fragment in lines[0], result.stderr
