@@ -39,9 +39,33 @@ from pipeline.models.vision_graphs import VisionGraphs  # noqa: E402
 from pipeline.processing.image import ImageProcessorConfig, image_grid_thw, preprocess_images  # noqa: E402
 
 
-def images(n: int, size: int = 640) -> list[Image.Image]:
+def images(n: int, size: int = 640, height: int | None = None) -> list[Image.Image]:
     rng = np.random.default_rng(n)
-    return [Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
+    shape = (height or size, size, 3)
+    return [Image.fromarray(rng.integers(0, 255, shape, dtype=np.uint8)) for _ in range(n)]
+
+
+def mixed_sizes(fused, graphs, config, device: torch.device, report: dict) -> None:
+    """A batch of three image sizes, only one of them captured at warm-up:
+    the graphs replay that size and run the others in one packed eager
+    forward; equal to the fused eager forward; timed on a first call
+    (nothing captured for the new sizes) and a third (captured)."""
+    batch = images(4) + images(3, 480, 640) + images(2, 512)
+    pixels, grid = preprocess_images(batch, config)
+    pixels = pixels.to(device)
+    grids = [tuple(g) for g in grid.tolist()]
+    row = report.setdefault("mixed_sizes", {"images": len(batch)})
+    with torch.inference_mode():
+        want = torch.cat(fused(pixels, grids))
+        row["eager_ms"] = median_ms(lambda: fused(pixels, grids), 3)
+        for call in ("first", "second", "third"):
+            started = time.perf_counter()
+            got = torch.cat(graphs(pixels, grids))
+            _sync()
+            row[f"{call}_call_ms"] = (time.perf_counter() - started) * 1000
+            row[f"{call}_vs_eager"] = compare(got, want)
+        row["captured_ms"] = median_ms(lambda: graphs(pixels, grids), 5)
+    print("mixed sizes:", json.dumps(row), flush=True)
 
 
 def hf_tower(ours: torch.nn.Module, device: torch.device):
@@ -126,6 +150,11 @@ def run(device: torch.device, batches: list[int], size: int, report: dict) -> No
         except Exception:  # recorded; the next batch size still runs
             row["error"] = traceback.format_exc()
         print(f"batch {b}:", json.dumps(row), flush=True)
+    if device.type == "cuda":
+        try:
+            mixed_sizes(fused, graphs, config, device, report)
+        except Exception:  # recorded
+            report.setdefault("mixed_sizes", {})["error"] = traceback.format_exc()
 
 
 def main() -> int:

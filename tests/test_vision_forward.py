@@ -66,8 +66,10 @@ def test_batches_cut_into_power_of_two_pieces_of_one_grid():
 
 
 def test_a_batch_run_in_pieces_equals_one_forward(tiny_dir):
-    """Images of two sizes, interleaved: run piece by piece (what the vision
-    graphs replay), each image's embedding equals the whole batch's."""
+    """Images of two sizes, interleaved: the pieces that have a "graph"
+    (here: the 2-image pieces, run eagerly as a stand-in) run one by one,
+    the rest together in one packed forward; each image's embedding equals
+    the whole batch's, in the batch's order."""
     from conftest import random_image
     from pipeline.models.loader import load_model
     from pipeline.models.vision_graphs import forward_in_pieces
@@ -80,16 +82,23 @@ def test_a_batch_run_in_pieces_equals_one_forward(tiny_dir):
     pixels, grid = preprocess_images(images, config)
     grids = [tuple(g) for g in grid.tolist()]
     tower = loaded.model.visual
-    calls = []
+    replayed, eager_calls = [], []
 
-    def eager_piece(shape, piece_pixels):
-        calls.append(shape)
-        return tower(piece_pixels, [shape[0]] * shape[1])
+    def replay(shape, piece_pixels):
+        replayed.append(shape)
+        return tower(piece_pixels, [shape[0]] * shape[1]) if shape[1] == 2 else None
+
+    def eager(rest_pixels, rest_grids):
+        eager_calls.append(rest_grids)
+        return tower(rest_pixels, rest_grids)
 
     with torch.no_grad():
         whole = tower(pixels, grids)
-        pieces = forward_in_pieces(pixels, grids, 4, eager_piece)
-    assert sorted(n for _, n in calls) == [2, 4]
+        pieces = forward_in_pieces(pixels, grids, 4, replay, eager)
+    # Four 64x64 images make one 4-image piece (no graph: eager), the two
+    # 56x84 ones a 2-image piece (replayed).
+    assert sorted(n for _, n in replayed) == [2, 4]
+    assert eager_calls == [[grids[i] for i in (0, 2, 4, 5)]]   # one packed forward, in batch order
     for got, want in zip(pieces, whole, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -14,7 +14,8 @@ at most `max_images` (13 images of one size: 8 + 4 + 1), and each piece is
 a graph. One image size then needs at most log2(max_images) + 1 graphs.
 Images are independent in the tower (attention stays inside each image),
 so the pieces' outputs are the batch's. A shape is captured once it has
-come `capture_after` times, until then it runs eagerly; at most
+come `capture_after` times; until then its images run eagerly, all such
+images of a batch in one packed forward; at most
 `max_graphs` are kept, least recently used dropped first. All graphs draw
 on one memory pool.
 """
@@ -58,19 +59,34 @@ def plan_pieces(grids: list[Grid], max_images: int) -> list[tuple[Grid, list[int
     return pieces
 
 
-def forward_in_pieces(pixels: torch.Tensor, grids, max_images: int, run_piece) -> list[torch.Tensor]:
+def forward_in_pieces(pixels: torch.Tensor, grids, max_images: int, replay, eager) -> list[torch.Tensor]:
     """A packed batch's forward as the forwards of its pieces (plan_pieces):
-    run_piece((grid, n), pixels of those n images) -> n embeddings, which
-    are copied out (a graph's next replay overwrites its outputs)."""
+    replay((grid, n), pixels of those n images) -> n embeddings, copied out
+    (a graph's next replay overwrites its outputs), or None where that shape
+    has no graph yet. The images of all such pieces then run together
+    through eager(pixels, grids), one packed forward: a batch of many
+    sizes must not become one eager forward per size."""
     grids = [tuple(int(x) for x in g) for g in grids]
     patches = [t * h * w for t, h, w in grids]
     starts = [0, *accumulate(patches)]
+
+    def rows(indices: list[int]) -> torch.Tensor:
+        parts = [pixels[starts[i]:starts[i] + patches[i]] for i in indices]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     outputs: list[torch.Tensor | None] = [None] * len(grids)
+    rest: list[int] = []
     for grid, indices in plan_pieces(grids, max_images):
-        rows = [pixels[starts[i]:starts[i] + patches[i]] for i in indices]
-        piece = rows[0] if len(rows) == 1 else torch.cat(rows)
-        for i, out in zip(indices, run_piece((grid, len(indices)), piece)):
+        got = replay((grid, len(indices)), rows(indices))
+        if got is None:
+            rest.extend(indices)
+            continue
+        for i, out in zip(indices, got):
             outputs[i] = out.clone()
+    if rest:
+        rest.sort()
+        for i, out in zip(rest, eager(rows(rest), [grids[i] for i in rest])):
+            outputs[i] = out
     return outputs
 
 
@@ -100,7 +116,7 @@ class VisionGraphs:
     @torch.inference_mode()
     def __call__(self, pixels: torch.Tensor, grids) -> list[torch.Tensor]:
         """The tower's forward: one [tokens_i, width] per image."""
-        return forward_in_pieces(pixels, grids, self.max_images, self._run)
+        return forward_in_pieces(pixels, grids, self.max_images, self._replay, self.tower)
 
     def warm(self, grids: list[Grid]) -> int:
         """Capture, now, every piece shape of these grids (1, 2, 4, ...
@@ -116,14 +132,16 @@ class VisionGraphs:
             self._capture((grid, n), torch.zeros(n * t * h * w, patch_dim, device=self.device))
         return len(fresh)
 
-    def _run(self, shape: Shape, pixels: torch.Tensor) -> list[torch.Tensor]:
+    def _replay(self, shape: Shape, pixels: torch.Tensor) -> list[torch.Tensor] | None:
+        """The piece through its graph, captured now if this shape has come
+        often enough; None while it has not (it runs eagerly)."""
         captured = self.graphs.get(shape)
         if captured is None:
             if len(self.seen) > SEEN_LIMIT:   # many one-off sizes: forget them rather than grow
                 self.seen.clear()
             self.seen[shape] += 1
             if self.seen[shape] < self.capture_after:
-                return self.tower(pixels, [shape[0]] * shape[1])
+                return None
             captured = self._capture(shape, pixels)
         else:
             self.graphs.move_to_end(shape)
