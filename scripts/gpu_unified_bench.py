@@ -9,14 +9,14 @@ and replayed (median of --replays), of:
 - the kernel of pipeline/kernels/unified_attention.py ("new"), with 32
   decode rows of context 512 beside the chunk and the token bucket's padding
   as in a captured mixed step, and again on the chunk alone;
-- the kernel it replaced (64 rows x 32 keys in tf32, copied below as
-  `_unified_kernel_tf32`), the same two ways;
 - flash SDPA on the chunk alone: contiguous [1, 16, T, 128] with the kv
   heads repeated, causal (bottom-right aligned after a context); and the
   eager mixed path's own call (causal_attention: a boolean mask after a
   context, which keeps SDPA off flash);
 - the new kernel at other tilings (tokens per program, block_n, num_warps,
   num_stages) on the mixed launch, while --sweep-budget-s lasts.
+(The kernel it replaced, git d620e29, was timed beside it once and then
+dropped from this script: docs/benchmarks.md, fourth session.)
 Every output is checked against unified_attention_reference in float32.
 TFLOP/s count the causal (query, key) pairs of every head, 4 * head_dim
 flops each; step_gap_36_layers_ms is (kernel - flash) x the model's 36
@@ -46,14 +46,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 from pipeline.engine.mixed_graphs import token_bucket  # noqa: E402
-from pipeline.kernels import next_power_of_2  # noqa: E402
 from pipeline.kernels import unified_attention as ua  # noqa: E402
-from pipeline.kernels.decode_attention import attend_tile  # noqa: E402
 from pipeline.models.attention import causal_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM, PAGE = 16, 2, 128, 16
@@ -64,58 +61,6 @@ DECODES, DECODE_CONTEXT, MAX_SEQS = 32, 512, 64   # MAX_SEQS: the engine's defau
 SWEEP = [(16, 64, 8, 2), (16, 64, 8, 4), (16, 32, 8, 3), (16, 128, 8, 2), (8, 64, 4, 3), (8, 64, 4, 2),
          (8, 32, 4, 3), (8, 64, 8, 3)]
 TOLERANCE = dict(atol=2e-2, rtol=2e-2)
-
-
-@triton.jit
-def _unified_kernel_tf32(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, stride_ptr, cu_ptr, ctx_ptr, programs_ptr, scale,
-                         q_stride, cache_stride,
-                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr):
-    """The unified kernel as of git d620e29, for the side-by-side ratio only."""
-    pid, kv_head = tl.program_id(0), tl.program_id(1)
-    group = HEADS // KV_HEADS
-    seq = tl.load(programs_ptr + 2 * pid)
-    first_q = tl.load(programs_ptr + 2 * pid + 1)
-    q_begin = tl.load(cu_ptr + seq)
-    q_len = tl.load(cu_ptr + seq + 1) - q_begin
-    ctx = tl.load(ctx_ptr + seq)
-    table_stride = tl.load(stride_ptr)
-    r = tl.arange(0, BLOCK_Q * BLOCK_G)
-    tok = first_q + r // BLOCK_G
-    g = r % BLOCK_G
-    row_valid = (tok < q_len) & (g < group)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    q_rows = (q_begin + tok) * q_stride + (kv_head * group + g) * HEAD_DIM
-    q_mask = row_valid[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    pos = ctx + tok
-    end = tl.where(ctx < 0, 0, ctx + tl.minimum(first_q + BLOCK_Q, q_len)).to(tl.int32)
-    m = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32) - float("inf")
-    l = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], dtype=tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    for first in range(0, end, BLOCK_N):
-        kpos = first + n
-        k_valid = kpos < end
-        m, l, acc = attend_tile(q, k_ptr, v_ptr, tables_ptr + seq * table_stride, kpos, k_valid,
-                                k_valid[None, :] & (kpos[None, :] <= pos[:, None]), m, l, acc, scale,
-                                cache_stride, kv_head, d, d_mask, HEAD_DIM, PAGE, PRECISION)
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-    tl.store(out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
-OLD_BLOCK_Q = 64 // next_power_of_2(HEADS // KV_HEADS)
-
-
-def unified_tf32(q, k_slots, v_slots, tables, stride, cu, context, programs) -> torch.Tensor:
-    out = torch.empty_like(q)
-    _unified_kernel_tf32[(programs.shape[0], KV_HEADS)](
-        q, k_slots, v_slots, out, tables, stride, cu, context, programs, DIM ** -0.5, q.stride(0), k_slots.stride(0),
-        HEADS=HEADS, KV_HEADS=KV_HEADS, HEAD_DIM=DIM, PAGE=PAGE, BLOCK_Q=OLD_BLOCK_Q,
-        BLOCK_G=next_power_of_2(HEADS // KV_HEADS), BLOCK_D=DIM, BLOCK_N=32, PRECISION="tf32", num_warps=8)
-    return out
 
 
 def make_case(chunk: int, context: int, decodes: int, device: torch.device, seed: int) -> dict:
@@ -186,11 +131,11 @@ def reference(case: dict) -> torch.Tensor:
 
 
 def unified_runs(case: dict, replays: int, configs: list[tuple[int, int, int, int] | None]) -> dict:
-    """The new kernel at each config (None: its defaults) and the old one on
-    one case; each {"ms", "tflops", "max_abs_diff", "ok"}."""
+    """The kernel at each config (None: its defaults) on one case; each
+    {"ms", "tflops", "max_abs_diff", "ok"}."""
     truth = reference(case)
     inputs = (case["q"], case["k"], case["v"], case["tables"], *case["args"])
-    runs = {"old": lambda programs=plan(case, OLD_BLOCK_Q): unified_tf32(*inputs, programs)}
+    runs = {}
     for config in configs:
         per_program, block_n, warps, stages = config or (ua.block_q(HEADS, KV_HEADS), None, None, None)
         name = "new" if config is None else f"new_q{per_program}_bn{block_n}_w{warps}_s{stages}"
@@ -244,13 +189,11 @@ def run_case(chunk: int, context: int, replays: int, sweep: bool, device: torch.
                                    **unified_runs(alone, replays, [None]), **sdpa_runs(alone, replays))}
     ms = lambda part, name: result[part].get(name, {}).get("ms")  # noqa: E731
     ratios = {"new_over_flash": (ms("prefill_only", "new"), ms("prefill_only", "flash")),
-              "old_over_flash": (ms("prefill_only", "old"), ms("prefill_only", "flash")),
-              "new_over_eager_sdpa": (ms("prefill_only", "new"), ms("prefill_only", "eager_sdpa")),
-              "old_over_new_mixed": (ms("mixed", "old"), ms("mixed", "new"))}
+              "new_over_eager_sdpa": (ms("prefill_only", "new"), ms("prefill_only", "eager_sdpa"))}
     result["ratios"] = {name: a / b if a and b else None for name, (a, b) in ratios.items()}
     flash = ms("prefill_only", "flash")
-    result["step_gap_36_layers_ms"] = {k: 36 * (ms("prefill_only", k) - flash) if ms("prefill_only", k) and flash
-                                       else None for k in ("new", "old")}
+    new = ms("prefill_only", "new")
+    result["step_gap_36_layers_ms"] = 36 * (new - flash) if new and flash else None
     return result
 
 
@@ -260,11 +203,11 @@ def summary(name: str, result: dict) -> str:
         return "error" if "ms" not in r else f"{r['ms']:.3f} ms {r['tflops']:.0f} TF/s{'' if r['ok'] else ' NOT OK'}"
 
     ratios = " ".join(f"{k}={v:.2f}" for k, v in result["ratios"].items() if v)
-    ratios += "".join(f" gap36_{k}={v:.1f}ms" for k, v in result["step_gap_36_layers_ms"].items() if v is not None)
+    gap = result["step_gap_36_layers_ms"]
+    ratios += f" gap36={gap:.1f}ms" if gap is not None else ""
     return (f"{name}: mixed(+{DECODES} decodes, bucket {result['mixed']['bucket']}) new {part('mixed', 'new')}"
-            f" | old {part('mixed', 'old')}\n  prefill only: new {part('prefill_only', 'new')} | old "
-            f"{part('prefill_only', 'old')} | flash {part('prefill_only', 'flash')} | eager sdpa "
-            f"{part('prefill_only', 'eager_sdpa')}\n  {ratios}")
+            f"\n  prefill only: new {part('prefill_only', 'new')} | flash {part('prefill_only', 'flash')}"
+            f" | eager sdpa {part('prefill_only', 'eager_sdpa')}\n  {ratios}")
 
 
 def main() -> None:
@@ -278,7 +221,7 @@ def main() -> None:
     began = time.perf_counter()
     results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
                "shape": dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM, page=PAGE, dtype="bfloat16"),
-               "new_block_q": ua.block_q(HEADS, KV_HEADS), "old_block_q": OLD_BLOCK_Q, "cases": {}}
+               "new_block_q": ua.block_q(HEADS, KV_HEADS), "cases": {}}
     for name, (chunk, context) in CASES.items():
         try:
             sweep = time.perf_counter() - began < args.sweep_budget_s
