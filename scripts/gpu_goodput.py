@@ -7,6 +7,8 @@ configurations, in one run that fits one 10-minute device call:
 - epd:        bin/epd-launch --encoders 1 --generators 1 --gpus 0,1
 - aggregated: bin/epd-launch --mode aggregated --generators 2 --gpus 0,1
 both with --random-weights qwen2.5-vl-3b --dtype bfloat16 --device cuda.
+--epd-generators, --aggregated-generators and --gpus change the layouts
+(issue 7: 3, 4 and 0,1,2,3 for 1E+3G against 4 aggregated generators).
 
 Per configuration: launch, wait for /health, a warm-up burst (first-use
 decode-graph captures and allocations), then epd-bench's goodput search
@@ -37,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.bench.launched import LaunchedStack, StackError, read_json, run_bench  # noqa: E402
 
 CONFIGS = ("epd", "aggregated")
-LABELS = {"epd": "EPD (1 encoder + 1 generator)", "aggregated": "aggregated (2 generators)"}
 # The generator's default KV cache (256 MiB) holds ~7k tokens of the 3B
 # model: two or three 4-image requests. The arena default holds ~120
 # embeddings of a 640x640 image.
@@ -65,6 +66,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--shape", default="qwen2.5-vl-3b", help="--random-weights shape")
     p.add_argument("--gpus", default="0,1")
+    p.add_argument("--epd-generators", type=int, default=1, help="generators beside the one encoder")
+    p.add_argument("--aggregated-generators", type=int, default=2)
     p.add_argument("--stage-arg", action="append", default=None, metavar="ROLE=ARG",
                    help=f"epd-launch --stage-arg; replaces the defaults {' '.join(GPU_STAGE_ARGS)}")
     p.add_argument("--text-only-fraction", type=float, default=0.0,
@@ -76,14 +79,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.configs = args.configs.split(",")
     if not args.configs or any(c not in CONFIGS for c in args.configs):
         p.error(f"--configs must list {' and/or '.join(CONFIGS)}")
+    if args.epd_generators < 1 or args.aggregated_generators < 1:
+        p.error("--epd-generators and --aggregated-generators must be at least 1")
     if args.budget_s <= STOP_RESERVE_S + 10:
         p.error(f"--budget-s must exceed {STOP_RESERVE_S + 10:.0f} s")
     return args
 
 
+def label(config: str, args: argparse.Namespace) -> str:
+    if config == "epd":
+        n = args.epd_generators
+        return f"EPD (1 encoder + {n} generator{'s' if n != 1 else ''})"
+    return f"aggregated ({args.aggregated_generators} generators)"
+
+
 def launch_args(config: str, args: argparse.Namespace) -> list[str]:
-    layout = ["--encoders", "1", "--generators", "1"] if config == "epd" else [
-        "--mode", "aggregated", "--generators", "2"]
+    layout = ["--encoders", "1", "--generators", str(args.epd_generators)] if config == "epd" else [
+        "--mode", "aggregated", "--generators", str(args.aggregated_generators)]
     if args.tiny:
         return [*layout, "--device", "cpu"]
     stage_args = GPU_STAGE_ARGS if args.stage_arg is None else args.stage_arg
@@ -113,7 +125,7 @@ def search_args(config: str, args: argparse.Namespace, base_url: str, search_s: 
             "--search-criterion", "p99", "--search-steps", str(args.steps), "--search-step-s", f"{step_s:.1f}",
             "--search-budget-s", f"{search_s:.0f}", "--num-prompts", str(args.max_step_prompts), *slos,
             "--json", str(args.out / f"{config}.json"), "--plot", str(args.out / f"{config}.png"),
-            "--plot-label", LABELS[config]]
+            "--plot-label", label(config, args)]
 
 
 def run_configuration(config: str, args: argparse.Namespace, record: dict) -> None:
@@ -164,13 +176,16 @@ def write_summary(args: argparse.Namespace, records: dict[str, dict], interrupte
         record.update(search_outcome(args.out / f"{config}.json"))
     summary = {"workload": {"images": args.images, "image_size": args.image_size, "input_len": args.input_len,
                             "output_len": args.output_len, "slo_ttft_ms": args.slo_ttft_ms,
-                            "slo_tpot_ms": args.slo_tpot_ms, "tiny": args.tiny},
+                            "slo_tpot_ms": args.slo_tpot_ms, "tiny": args.tiny,
+                            "layouts": {c: label(c, args) for c in CONFIGS}},
                "configs": records, "interrupted": interrupted}
     epd, agg = (records.get(c, {}).get("max_request_rate") for c in CONFIGS)
     if epd is not None and agg:
         images = f"{args.images} image{'s' if args.images != 1 else ''}"
+        layouts = ("" if (args.epd_generators, args.aggregated_generators) == (1, 2) else
+                   f" 1E+{args.epd_generators}G vs {args.aggregated_generators}G")
         summary["ratio"] = epd / agg
-        summary["line"] = f"goodput EPD/aggregated ({images}, {args.input_len} tokens): {epd / agg:.2f}x"
+        summary["line"] = f"goodput EPD/aggregated{layouts} ({images}, {args.input_len} tokens): {epd / agg:.2f}x"
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -179,7 +194,7 @@ def plot_both(args: argparse.Namespace, records: dict[str, dict]) -> None:
     try:
         from pipeline.bench.plot import plot_series
 
-        series = {LABELS[c]: (read_json(args.out / f"{c}.json") or {}).get("steps") or [] for c in records}
+        series = {label(c, args): (read_json(args.out / f"{c}.json") or {}).get("steps") or [] for c in records}
         plot_series(series, args.out / "goodput.png", {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms},
                     f"{args.images} x {args.image_size}px images, {args.input_len} text tokens")
     except (ImportError, ValueError) as exc:

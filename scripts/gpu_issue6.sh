@@ -14,7 +14,9 @@
 # (decode projections on cuBLAS only, not the small-batch Triton matmul that
 # is the default on CUDA), MAX_BATCHED
 # (the generators' token budget per step: shorter mixed steps, lower TPOT),
-# KV_MIB (the generators' KV cache, default 32768; auto sizes it from the GPU).
+# KV_MIB (the generators' KV cache, default 32768; auto sizes it from the GPU),
+# GPUS, EPD_GENERATORS, AGG_GENERATORS (the layouts: default 0,1, 1 and 2;
+# issue 7 on nvidia-h200-x4: GPUS=0,1,2,3 EPD_GENERATORS=3 AGG_GENERATORS=4).
 # The summary, the plot and a tarball of every result and log land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -43,6 +45,7 @@ extra=()
 [ -n "${FIXED_RATE:-}" ] && extra+=(--fixed-rate "$FIXED_RATE")
 [ -n "${TEXT_ONLY:-}" ] && extra+=(--text-only-fraction "$TEXT_ONLY")
 [ "${TINY:-0}" = 1 ] && extra+=(--tiny --image-size 64 --output-len 8)
+extra+=(--gpus "${GPUS:-0,1}" --epd-generators "${EPD_GENERATORS:-1}" --aggregated-generators "${AGG_GENERATORS:-2}")
 
 if [ "${ENGINE_CHECK:-0}" = 1 ]; then
   echo "== engine check (speed)"
@@ -50,6 +53,7 @@ if [ "${ENGINE_CHECK:-0}" = 1 ]; then
 fi
 
 name="${IMAGES}img-${INPUT_LEN}tok"
+[ "${EPD_GENERATORS:-1}/${AGG_GENERATORS:-2}" != 1/2 ] && name="$name-1e${EPD_GENERATORS:-1}g-vs-${AGG_GENERATORS:-2}g"
 echo "== goodput $name"
 timeout -s TERM $(( 2 * BUDGET_S + 60 )) python3 scripts/gpu_goodput.py --images "$IMAGES" --input-len "$INPUT_LEN" \
   --out "/tmp/goodput/$name" --budget-s "$BUDGET_S" --steps "$STEPS" --low "$LOW" --high "$HIGH" \
