@@ -132,6 +132,9 @@ class Request:
                 raise ValueError(f"request {self.request_id}: image span [{span.start}, {span.end}) "
                                  f"runs past the prompt ({len(self.prompt_token_ids)} tokens)")
             previous_end = span.end
+        # Past this position the request reads no embeddings: the scheduler's
+        # per-step span lookups for decoding requests stop here.
+        self.images_end = previous_end
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -166,6 +169,8 @@ class Request:
 
     def spans_in(self, start: int, end: int) -> tuple[ImageSpan, ...]:
         """Image spans that overlap token positions [start, end)."""
+        if start >= self.images_end:
+            return ()
         return tuple(s for s in self.image_spans if s.start < end and s.end > start)
 
     def next_image_key(self) -> str | None:
@@ -179,6 +184,8 @@ class Request:
     def keys_still_needed(self) -> set[str]:
         """Image keys with a span not yet fully computed: the embeddings this
         request still has to read."""
+        if self.num_computed_tokens >= self.images_end:
+            return set()
         return {s.key for s in self.image_spans if s.end > self.num_computed_tokens}
 
 

@@ -329,6 +329,8 @@ class Scheduler:
     def _sync_cache_users(self, request: Request) -> None:
         """Make the request a user of exactly the keys it still has to read."""
         rid = request.request_id
+        if rid not in self._cache_keys and request.num_computed_tokens >= request.images_end:
+            return   # holds no keys and needs none: every decoding request, every step
         needed = set() if request.status.is_finished else request.keys_still_needed()
         held = self._cache_keys.pop(rid, set())
         for key in sorted(needed - held):
