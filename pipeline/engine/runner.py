@@ -89,7 +89,6 @@ class ModelRunner:
                                [r.block_ids for r in reqs], [c.start for c in chunks])
 
 
-
 class _StepPositions:
     """A step's M-RoPE positions [3, tokens], chunk after chunk: the prompt's
     own positions where a chunk is in its prompt, the model's decode
