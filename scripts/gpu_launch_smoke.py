@@ -53,8 +53,7 @@ def main() -> int:
     shm_before = epd_shm()
     report: dict = {"shm_before": shm_before}
     launch = ["--encoders", "1", "--generators", "3", "--device", "cpu"] if args.cpu else [
-        "--encoders", "1", "--generators", "3", "--random-weights", "qwen2.5-vl-3b", "--device", "cuda",
-        "--stage-arg", "encoder=--arena-mib=4096"]
+        "--encoders", "1", "--generators", "3", "--random-weights", "qwen2.5-vl-3b", "--device", "cuda"]
     stack = LaunchedStack(launch, args.out / "logs", env={"OMP_NUM_THREADS": "1"} if args.cpu else None)
     try:
         report["ready_s"] = round(stack.start(ready_timeout=300), 1)

@@ -34,6 +34,14 @@ from pipeline.processing.image import ImageProcessorConfig
 log = logging.getLogger("epd.encoder")
 
 
+# The arena holds every embedding until evicted: on a GPU 4 GiB keeps ~1,900
+# images of 640x640 for a 3B-class model (2.2 MB each) for dedup hits, a
+# few percent of an 80-141 GB device; on the CPU it is shared memory, where
+# 256 MiB is plenty for tests and a laptop.
+CUDA_ARENA_MIB = 4096
+CPU_ARENA_MIB = 256
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = OneLineParser(prog="stages.encoder", description=__doc__.splitlines()[0])
     p.add_argument("--address", required=True, help="inbox address to bind (ipc:// or tcp://)")
@@ -45,7 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--media-backend", default="auto", help="auto, pillow, dali or nvjpeg")
-    p.add_argument("--arena-mib", type=int, default=256, help="embedding arena size")
+    p.add_argument("--arena-mib", type=int, default=None,
+                   help=f"embedding arena size (default: {CUDA_ARENA_MIB} on CUDA, {CPU_ARENA_MIB} elsewhere)")
     p.add_argument("--block-kib", type=int, default=64, help="arena block size")
     p.add_argument("--max-batch-tokens", type=int, default=16384, help="visual tokens per forward")
     add_vision_graph_flags(p)
@@ -54,7 +63,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--announce-to", action="append", default=[], help="inbox to announce to; repeatable")
     args = p.parse_args(argv)
     for name in ("arena_mib", "block_kib", "max_batch_tokens", "decode_threads"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     check_vision_graph_flags(p, args)
     return args
@@ -71,7 +80,8 @@ async def serve(args: argparse.Namespace) -> None:
     tower = load_stage_model(model_dir, args.random_weights, dtype, device, part="visual")
     image_config = ImageProcessorConfig.from_checkpoint(model_dir)
     media = create_backend(args.media_backend, device)
-    store = ArenaStore(args.arena_mib << 20, args.block_kib << 10, device, args.instance, args.lease_timeout)
+    arena_mib = args.arena_mib or (CUDA_ARENA_MIB if device.type == "cuda" else CPU_ARENA_MIB)
+    store = ArenaStore(arena_mib << 20, args.block_kib << 10, device, args.instance, args.lease_timeout)
     ctx = zmq.asyncio.Context()
     inbox, outbox = transport.Inbox(ctx, args.address), transport.Outbox(ctx)
     settings = EncoderSettings(args.instance, args.address, args.model_id or Path(model_dir).name,
@@ -83,7 +93,8 @@ async def serve(args: argparse.Namespace) -> None:
                                  stage_vision_forward(tower, device, args, image_config))
         for address in args.announce_to:
             service.handle_hello(address)
-        log.info("encoder %s ready on %s (device %s, media %s)", args.instance, args.address, device, media.name)
+        log.info("encoder %s ready on %s (device %s, media %s, arena %d MiB)", args.instance, args.address, device,
+                 media.name, arena_mib)
         try:
             await _until_stopped(service.run(), _receive(inbox, service))
         finally:

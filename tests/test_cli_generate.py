@@ -95,6 +95,7 @@ def test_max_tokens_must_be_positive(tiny_dir):
 
 @pytest.mark.parametrize("program, args, fragment", [
     ("stages.encoder", ["--address", "ipc:///tmp/unused", "--arena-mib", "lots"], "--arena-mib"),
+    ("stages.encoder", ["--address", "ipc:///tmp/unused", "--arena-mib", "0"], "--arena-mib must be at least 1"),
     ("stages.proxy", ["--bogus"], "--bogus"),
     ("stages.generator", ["--address", "ipc:///tmp/unused", "--mode", "both"], "--mode"),
 ])
