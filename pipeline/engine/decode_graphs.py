@@ -29,6 +29,7 @@ from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.models.attention import AttentionBackend
 
 MATMULS = ("cublas", "triton")   # what a fused decode step's projections run on
+MIN_LEN = 256   # the shortest context bucket
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -76,7 +77,7 @@ class DecodeGraphs:
     it turns that on. None: "triton" wherever the fused path runs on CUDA."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, null_block: int, max_batch: int,
-                 max_len: int, device: torch.device, use_graphs: bool, min_len: int = 256,
+                 max_len: int, device: torch.device, use_graphs: bool, min_len: int = MIN_LEN,
                  fused: bool | None = None, matmul: str | None = None) -> None:
         if matmul is None:
             cuda_kernels = device.type == "cuda" and kernels.available(device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.engine import decode_graphs, mixed_graphs
 from pipeline.engine.kv_blocks import blocks_needed
 
 GIB = 1 << 30
@@ -28,14 +29,6 @@ CUDA_CONTEXT_BYTES = 512 << 20
 # (attention partials, sampler temporaries, cuBLAS workspaces, graph
 # bookkeeping) nor the allocator's fragmentation; this floor covers those.
 MIN_RESERVE_BYTES = 1 * GIB
-
-# The captured graphs' shape buckets (pipeline/engine/mixed_graphs.py,
-# decode_graphs.py): mixed steps by total tokens, powers of two from 16 to
-# 512 then multiples of 512; decode steps by context length, powers of two
-# from 256 up to the model's context, times batch sizes doubling up to
-# max_num_seqs (whose rows sum to under 2 * max_num_seqs).
-MIXED_SMALLEST, MIXED_COARSE = 16, 512
-DECODE_SHORTEST = 256
 
 
 @dataclass(frozen=True)
@@ -90,6 +83,9 @@ def activation_reserve(text: LanguageShape, max_num_batched_tokens: int, max_num
     # Logits are vocab wide but only for the rows that sample, at most one
     # per sequence: the eager step's, its float32 copy in the sampler, and
     # one set per captured graph, each kept alive as that graph's output.
+    # Graphs: one per mixed-step token bucket; decode ones per context-length
+    # bucket times batch sizes doubling up to max_num_seqs (whose rows sum
+    # to under 2 * max_num_seqs).
     graph_rows = max_num_seqs * (_mixed_buckets(max_num_batched_tokens) + 2 * _decode_length_buckets(text))
     logits = text.vocab_size * (max_num_seqs * (text.dtype_bytes + 4) + graph_rows * text.dtype_bytes)
     return max(MIN_RESERVE_BYTES, activations + logits)
@@ -120,19 +116,20 @@ def auto_kv_cache_bytes(memory: DeviceMemory, utilization: float, reserve: int, 
 
 
 def _mixed_buckets(max_num_batched_tokens: int) -> int:
-    doublings = _doublings(min(max_num_batched_tokens, MIXED_COARSE), MIXED_SMALLEST)
-    return doublings + max(0, -(-max_num_batched_tokens // MIXED_COARSE) - 1)
+    """How many token buckets MixedGraphs captures for this budget."""
+    top = mixed_graphs.token_bucket(max_num_batched_tokens, mixed_graphs.MIN_TOKENS)
+    count, bucket = 0, mixed_graphs.MIN_TOKENS
+    while bucket <= top:
+        count += 1
+        bucket = mixed_graphs.token_bucket(bucket + 1, mixed_graphs.MIN_TOKENS)
+    return count
 
 
 def _decode_length_buckets(text: LanguageShape) -> int:
-    return _doublings(text.max_context, DECODE_SHORTEST)
-
-
-def _doublings(limit: int, smallest: int) -> int:
-    """How many sizes smallest, 2 * smallest, ... it takes to reach limit."""
-    count, size = 1, smallest
-    while size < limit:
-        size, count = size * 2, count + 1
+    """How many context-length buckets DecodeGraphs has up to the model's context."""
+    count, length = 1, decode_graphs.MIN_LEN
+    while length < text.max_context:
+        length, count = length * 2, count + 1
     return count
 
 

@@ -26,6 +26,7 @@ from pipeline.cuda_graphs import capture_graph
 from pipeline.engine.paged_attention import PagedKVCache, SequenceSlice
 
 COARSE = 512   # above this many tokens, buckets step by it rather than doubling
+MIN_TOKENS = 16   # the smallest bucket
 
 
 def token_bucket(n: int, minimum: int) -> int:
@@ -49,7 +50,8 @@ class MixedGraphs:
     tests) the same forward runs eagerly."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, null_block: int, max_tokens: int,
-                 max_seqs: int, max_len: int, device: torch.device, use_graphs: bool, min_tokens: int = 16) -> None:
+                 max_seqs: int, max_len: int, device: torch.device, use_graphs: bool,
+                 min_tokens: int = MIN_TOKENS) -> None:
         if not kernels.available(device):
             raise ValueError(f"fast mixed steps need triton and a CUDA device (or TRITON_INTERPRET=1), not {device}")
         from pipeline.kernels import unified_attention  # triton only where it runs
