@@ -110,10 +110,22 @@ class Heartbeat(_Msg, tag="heartbeat"):
 
 
 class Hello(_Msg, tag="hello"):
-    """Ask an encoder to announce itself to `reply_to`."""
+    """Ask an encoder to announce itself to `reply_to`. A consumer on the
+    encoder's host may name a shared-memory ring (`ring`, on host `host`)
+    where it also takes EmbeddingReady messages: the fast lane of
+    pipeline/arena/ring.py, beside this socket."""
 
     sender: str
     reply_to: str
+    ring: str = ""
+    host: str = ""
+
+
+class Wake(_Msg, tag="wake"):
+    """Nothing but a wake-up: a ring message is waiting for a consumer that
+    was blocked on its socket."""
+
+    sender: str
 
 
 class EncoderAnnounce(_Msg, tag="announce"):
@@ -203,7 +215,7 @@ class StageStats(_Msg, tag="stats"):
 
 Message = (EncodeJob | EmbeddingReady | EncodeFailed | ReleaseLease | Heartbeat | Hello
            | EncoderAnnounce | StatsRequest | StageStats | FetchEmbedding | GenerateRequest
-           | TokenDelta | AbortRequest)
+           | TokenDelta | AbortRequest | Wake)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

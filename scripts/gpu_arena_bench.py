@@ -7,12 +7,18 @@ Run on the GPU box (not in CI):
 
 A producer process holds a CUDA arena on cuda:0 (ArenaStore, exported once);
 a consumer process opens it once (ArenaReader) and, per handoff, receives an
-EmbeddingReady over ZeroMQ and copies the embedding into its own memory.
-Latency per image = from the producer starting its write into the arena to
-the consumer holding a synchronised private copy (message + copies + checks).
+EmbeddingReady and copies the embedding into its own memory, as a generator
+does: the message comes through the consumer's shared-memory ring when the
+encoder's RingLanes takes it (`--lane ring`, the default on one host) or over
+ZeroMQ (`--lane zmq`); leases go back over ZeroMQ.
+
+Handoff = message + read: from the producer sending the handle (its write
+into the arena done) to the consumer holding a synchronised, checked private
+copy. Total adds the producer's store (reserve, write, synchronise, lease).
 The per-tensor baseline sends each tensor through a torch.multiprocessing
-queue (PyTorch's CUDA IPC) and stops the clock at the same point. Both paths
-run in this one invocation; the printed ratio is the comparison.
+queue (PyTorch's CUDA IPC): its handoff runs from the put (after clone and
+synchronise) to the consumer's synchronised copy, its total from before the
+clone. Both paths run in this one invocation; the printed ratios compare them.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ def percentiles(samples_ns: list[int]) -> dict[str, float]:
 
 def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: int) -> None:
     from pipeline.arena.store import ArenaStore
+    from pipeline.encoder.ring_lanes import RingLanes
 
     torch.cuda.set_device(0)
     store = ArenaStore(512 << 20, 64 << 10, torch.device("cuda:0"), f"bench-{os.getpid()}", 60.0)
@@ -62,6 +69,8 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
     inbox, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.bind(address)
     out.connect(consumer)
+    lanes = RingLanes(lambda _, message: out.send(protocol.encode(message)) or True, "bench")
+    lanes.on_hello(protocol.decode(inbox.recv()))     # the consumer's Hello: its ring, if any
     out.send(protocol.encode(protocol.EncoderAnnounce("bench", address, "bench", store.info, {"image": WIDTH})))
     try:
         for mib in sizes:
@@ -79,12 +88,14 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
                 t_stored = time.perf_counter_ns()
                 ready = protocol.EmbeddingReady(f"{mib}:{i}:{t0}:{t_stored}", "r", entry.content_hash,
                                                 store.handle(entry), lease.lease_id, "bench")
-                out.send(protocol.encode(ready))
+                if not lanes.deliver(consumer, ready):    # what the encoder does
+                    out.send(protocol.encode(ready))
                 release = protocol.decode(inbox.recv())
                 store.index.release(release.lease_ids[0])
                 store.index.evict(entry.content_hash)  # keep the arena from filling
         out.send(protocol.encode(protocol.Heartbeat("done", 0.0)))
     finally:
+        lanes.close()
         inbox.close()
         out.close()
         ctx.term()
@@ -92,7 +103,8 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
 
 
 def consumer(address: str, producer_address: str, device: str, checks: int, spin: bool,
-             peer_context: bool) -> dict:
+             peer_context: bool, lane: str) -> dict:
+    from pipeline.arena import ring
     from pipeline.arena.reader import ArenaReader
 
     torch.cuda.set_device(torch.device(device))
@@ -101,15 +113,34 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
     inbox.bind(address)
     out.connect(producer_address)
     reader = ArenaReader(None if peer_context else torch.device(device))
+    rings = ring.create_inbound(f"bench-consumer-{os.getpid()}", [producer_address]) if lane == "ring" else {}
+    mine = rings.get(producer_address)
+    out.send(protocol.encode(protocol.Hello("consumer", address, mine.segment.name if mine else "",
+                                            ring.host_id() if mine else "")))
+    waiting: list[bytes] = []
 
     def recv():
-        if not spin:
-            return protocol.decode(inbox.recv())
+        """The next message from the ring or the socket, as the generator's
+        loop takes them: spinning (a busy generator) or, blocking, with the
+        ring's sleep flag raised so the producer sends a wake-up."""
         while True:
-            try:
-                return protocol.decode(inbox.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                pass
+            if mine is not None and not waiting:
+                waiting.extend(mine.pop())
+            if waiting:
+                return protocol.decode(waiting.pop(0))
+            if spin:
+                try:
+                    message = protocol.decode(inbox.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    continue
+            else:
+                if mine is not None and not mine.may_sleep():
+                    continue
+                message = protocol.decode(inbox.recv())
+                if mine is not None:
+                    mine.awake()
+            if not isinstance(message, protocol.Wake):
+                return message
 
     announce = recv()
     t = time.perf_counter_ns()
@@ -128,7 +159,8 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
             buffers[shape] = torch.empty(shape, dtype=torch.bfloat16, device=device)
         pending = reader.read_async(message.handle, out=buffers[shape])   # what read() does, timed in parts
         t_queued = time.perf_counter_ns()
-        pending.wait()
+        while not pending.done():      # a generator polls its copies between steps
+            pass
         t_copied = time.perf_counter_ns()
         reader.verify(message.handle)
         got = pending.tensor
@@ -140,7 +172,7 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
                 result["mismatches"] += 1
         else:
             t0, t_stored = int(t0), int(t_stored)
-            for part, value in (("total", t1 - t0), ("store", t_stored - t0),
+            for part, value in (("total", t1 - t0), ("handoff", t1 - t_stored), ("store", t_stored - t0),
                                 ("message", t_recv - t_stored), ("read", t1 - t_recv),
                                 ("read:queue", t_queued - t_recv), ("read:wait", t_copied - t_queued),
                                 ("read:verify", t1 - t_copied)):
@@ -148,11 +180,14 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
     for key, s in samples.items():
         mib, part = key.split("/")
         stats = percentiles(s[len(s) // 10:])  # first 10%: warm-up
-        if part == "total":
-            result["sizes"][mib] = stats
+        if part in ("total", "handoff"):
+            result["sizes"].setdefault(mib, {})[part] = stats
         else:
             result.setdefault("parts", {}).setdefault(mib, {})[part] = stats["p50_us"]
     reader.close()
+    for lane_ring in rings.values():
+        result["ring_messages"] = lane_ring.written
+        lane_ring.close()
     inbox.close()
     out.close()
     ctx.term()
@@ -169,7 +204,7 @@ def torch_ipc_producer(queue, acks, sizes: list[int], iters: int) -> None:
             t0 = time.perf_counter_ns()
             tensor = source.clone()      # a new tensor per handoff, as a real producer makes
             torch.cuda.current_stream().synchronize()
-            queue.put((mib, t0, tensor))
+            queue.put((mib, t0, time.perf_counter_ns(), tensor))
             acks.get()                   # keep it alive until the consumer has copied it
             del tensor
     queue.put(None)
@@ -177,16 +212,21 @@ def torch_ipc_producer(queue, acks, sizes: list[int], iters: int) -> None:
 
 def torch_ipc_consumer(queue, acks, device: str, results) -> None:
     torch.cuda.set_device(torch.device(device))
-    samples: dict[int, list[int]] = {}
+    samples: dict[tuple[int, str], list[int]] = {}
     while (item := queue.get()) is not None:
-        mib, t0, tensor = item
+        mib, t0, t_put, tensor = item
         out = torch.empty_like(tensor, device=device)
         out.copy_(tensor, non_blocking=True)
         torch.cuda.current_stream().synchronize()
-        samples.setdefault(mib, []).append(time.perf_counter_ns() - t0)
+        t1 = time.perf_counter_ns()
+        samples.setdefault((mib, "total"), []).append(t1 - t0)
+        samples.setdefault((mib, "handoff"), []).append(t1 - t_put)
         del tensor
         acks.put(1)
-    results.put({str(mib): percentiles(s[len(s) // 10:]) for mib, s in samples.items()})
+    out: dict = {}
+    for (mib, part), s in samples.items():
+        out.setdefault(str(mib), {})[part] = percentiles(s[len(s) // 10:])
+    results.put(out)
 
 
 def run_torch_ipc(sizes: list[int], iters: int, device: str) -> dict:
@@ -196,26 +236,43 @@ def run_torch_ipc(sizes: list[int], iters: int, device: str) -> dict:
              ctx.Process(target=torch_ipc_consumer, args=(queue, acks, device, results))]
     for p in procs:
         p.start()
-    out = results.get(timeout=600)
+    out = _result(results, procs)
     for p in procs:
         p.join(timeout=60)
     return out
 
 
+def _result(queue, procs, limit: float = 600.0):
+    """The run's result, or an error as soon as one of its processes died."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except Exception:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a bench process exited with {dead[0]}") from None
+    raise TimeoutError("no result from the bench processes")
+
+
 # ------------------------------------------------------------------- main
 
-def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool, peer_context: bool) -> dict:
+def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool, peer_context: bool,
+              lane: str) -> dict:
     run_dir = Path(f"/tmp/epd-bench-{os.getpid()}")
     run_dir.mkdir(exist_ok=True)
     p_addr, c_addr = f"ipc://{run_dir}/p.sock", f"ipc://{run_dir}/c.sock"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    cons = ctx.Process(target=_consumer_entry, args=(c_addr, p_addr, device, checks, spin, peer_context, results))
+    cons = ctx.Process(target=_consumer_entry,
+                       args=(c_addr, p_addr, device, checks, spin, peer_context, lane, results))
     cons.start()
     time.sleep(1.0)  # the consumer binds first
     prod = ctx.Process(target=producer, args=(p_addr, c_addr, sizes, iters, checks))
     prod.start()
-    out = results.get(timeout=600)
+    out = _result(results, [prod, cons])
     prod.join(timeout=60)
     cons.join(timeout=60)
     if prod.exitcode != 0:
@@ -223,8 +280,8 @@ def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool
     return out
 
 
-def _consumer_entry(c_addr, p_addr, device, checks, spin, peer_context, results):
-    results.put(consumer(c_addr, p_addr, device, checks, spin, peer_context))
+def _consumer_entry(c_addr, p_addr, device, checks, spin, peer_context, lane, results):
+    results.put(consumer(c_addr, p_addr, device, checks, spin, peer_context, lane))
 
 
 def main() -> int:
@@ -233,27 +290,32 @@ def main() -> int:
     parser.add_argument("--sizes-mib", default="2,8")
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--checks", type=int, default=16, help="handoffs checked for equality per size")
-    parser.add_argument("--spin", action="store_true", help="consumer busy-polls its socket")
+    parser.add_argument("--spin", action="store_true",
+                        help="consumer busy-polls (a busy generator); default: it blocks on its socket when idle")
+    parser.add_argument("--lane", choices=("ring", "zmq"), default="ring",
+                        help="how EmbeddingReady travels: the consumer's shared-memory ring, or ZeroMQ only")
     parser.add_argument("--map-on-producer-gpu", action="store_true",
                         help="open the arena in a context on the producer's GPU (the old way), for comparison")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_mib.split(",")]
     device = f"cuda:{args.consumer_device}"
-    arena = run_arena(sizes, args.iters, device, args.checks, args.spin, args.map_on_producer_gpu)
+    arena = run_arena(sizes, args.iters, device, args.checks, args.spin, args.map_on_producer_gpu, args.lane)
     baseline = run_torch_ipc(sizes, max(200, args.iters // 4), device)
-    report = {"device": torch.cuda.get_device_name(0), "consumer": device, "spin": args.spin,
-              "mapped_on_producer_gpu": args.map_on_producer_gpu,
-              "arena": arena, "torch_ipc": baseline}
-    print(f"producer cuda:0 -> consumer {device}; arena opened once in {arena['open_ms']:.1f} ms; "
-          f"equality mismatches: {arena['mismatches']}")
-    print(f"{'size':>6} {'arena p50':>10} {'arena p99':>10} {'torch p50':>10} {'torch p99':>10} {'p50 ratio':>9}")
+    report = {"device": torch.cuda.get_device_name(0), "consumer": device, "spin": args.spin, "lane": args.lane,
+              "mapped_on_producer_gpu": args.map_on_producer_gpu, "arena": arena, "torch_ipc": baseline}
+    print(f"producer cuda:0 -> consumer {device}, lane {args.lane}, {'spinning' if args.spin else 'blocking'} "
+          f"consumer; arena opened once in {arena['open_ms']:.1f} ms; ring messages "
+          f"{arena.get('ring_messages', 0)}; equality mismatches: {arena['mismatches']}")
     for mib, parts in arena.get("parts", {}).items():
         print(f"{mib}MiB arena p50 parts (us): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+    print(f"{'size':>6} {'what':>8} {'arena p50':>10} {'arena p99':>10} {'torch p50':>10} {'torch p99':>10} "
+          f"{'p50 ratio':>9}")
     for mib in map(str, sizes):
-        a, b = arena["sizes"][mib], baseline[mib]
-        print(f"{mib + 'MiB':>6} {a['p50_us']:>9.1f}u {a['p99_us']:>9.1f}u {b['p50_us']:>9.1f}u "
-              f"{b['p99_us']:>9.1f}u {b['p50_us'] / a['p50_us']:>8.1f}x")
+        for part in ("handoff", "total"):
+            a, b = arena["sizes"][mib][part], baseline[mib][part]
+            print(f"{mib + 'MiB':>6} {part:>8} {a['p50_us']:>9.1f}u {a['p99_us']:>9.1f}u {b['p50_us']:>9.1f}u "
+                  f"{b['p99_us']:>9.1f}u {b['p50_us'] / a['p50_us']:>8.1f}x")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 1 if arena["mismatches"] else 0

@@ -98,6 +98,7 @@ async def serve(args: argparse.Namespace) -> None:
         try:
             await _until_stopped(service.run(), _receive(inbox, service))
         finally:
+            service.lanes.close()
             inbox.close()
             outbox.close()
             ctx.term()

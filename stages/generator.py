@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from pipeline import protocol, transport
+from pipeline.arena import ring
 from pipeline.arg_parser import OneLineParser
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.kv_budget import (
@@ -128,7 +129,10 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
         engine.runner.vision = stage_vision_forward(model.visual, device, args,
                                                     ImageProcessorConfig.from_checkpoint(model_dir))
     decode = image_decoder(args.media_backend, device, model_dir) if aggregated else None
-    return GeneratorService(engine, args.address, device, send, args.encoders, args.embedding_timeout, decode)
+    # Last: nothing after it may fail and leave the rings' shared memory behind.
+    rings = {} if aggregated else ring.create_inbound(args.instance, args.encoders)
+    return GeneratorService(engine, args.address, device, send, args.encoders, args.embedding_timeout, decode,
+                            rings=rings)
 
 
 def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> tuple[int, str]:

@@ -33,6 +33,7 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}
         self.encoder_instances = [f"e2e-enc{i}-{os.getpid()}" for i in range(encoders)]
+        self.generator_instances = [f"e2e-gen{i}-{os.getpid()}" for i in range(generators)]
         enc = [f"ipc://{run_dir}/enc{i}.sock" for i in range(encoders)]
         gen = [f"ipc://{run_dir}/gen{i}.sock" for i in range(generators)]
         common = ["--model", str(model_dir), "--device", "cpu"]
@@ -41,7 +42,7 @@ class Stack:
                                     "--media-backend", "pillow", "--model-id", "tiny", "--arena-mib", "16", *common])
         for i, address in enumerate(gen):
             mode = ["--mode", "aggregated", "--media-backend", "pillow"] if aggregated else []
-            self._start(f"gen{i}", ["stages.generator", "--address", address, "--instance", f"gen{i}",
+            self._start(f"gen{i}", ["stages.generator", "--address", address, "--instance", self.generator_instances[i],
                                     *[a for e in enc for a in ("--encoders", e)], *mode, *common,
                                     "--kv-cache-mib", "16", *generator_args])
         self._start("proxy", ["stages.proxy", "--port", str(self.port), "--address", f"ipc://{run_dir}/proxy.sock",
@@ -70,8 +71,8 @@ class Stack:
             time.sleep(0.3)
         raise TimeoutError(f"stack not healthy\n{self.logs()}")
 
-    def stop_stage(self, name: str) -> None:
-        self.procs[name].send_signal(signal.SIGTERM)
+    def stop_stage(self, name: str, sig: int = signal.SIGTERM) -> None:
+        self.procs[name].send_signal(sig)
         self.procs[name].wait(timeout=20)
 
     def restart_stage(self, name: str) -> None:
@@ -106,6 +107,6 @@ class Stack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        for instance in self.encoder_instances:
+        for instance in self.encoder_instances + self.generator_instances:
             remove_stale_segments(instance)
         self.log.close()

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from conftest import REPO, image_bytes, random_image
+from pipeline.arena import ring
 from stack import Stack
 
 
@@ -212,3 +215,42 @@ def test_requests_keep_succeeding_while_a_generator_is_stopped(epd):
     assert sum(counts) >= 36
     epd.restart_stage("gen1")
     epd.wait_healthy()
+
+
+def rings_of(instance: str) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"epd-{instance}-*-ring*"))
+
+
+def test_embeddings_reach_generators_through_rings_and_a_killed_generators_ring_is_replaced(epd):
+    """Same host: EmbeddingReady goes through each generator's shared-memory
+    ring, not its socket. A generator killed outright leaves its ring behind;
+    its next incarnation removes it, makes its own, and gets handoffs on it."""
+    def ring_handoffs():
+        time.sleep(1.5)  # stats are polled
+        return epd.total("epd_encoder_handoffs_total", lane="ring")
+
+    before = ring_handoffs()
+    for i in range(6):   # the proxy spreads these over the generators
+        chat(epd, [image_bytes(random_image(90, 60 + i, seed=900 + i))], f"ring {i}", max_tokens=2)
+    assert ring_handoffs() - before >= 6
+    instance = epd.generator_instances[2]
+    (old,) = rings_of(instance)
+    epd.stop_stage("gen2", signal.SIGKILL)
+    assert rings_of(instance) == [old]      # nothing removed it: the process had no chance
+    epd.restart_stage("gen2")
+    epd.wait_healthy()
+    deadline = time.monotonic() + 60
+    while (rings_of(instance) == [old] or len(rings_of(instance)) != 1) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (new,) = rings_of(instance)
+    assert new != old
+    lane = ring.attach(f"{new}")
+    try:
+        before = ring_handoffs()
+        with ThreadPoolExecutor(12) as pool:   # at once: least-loaded routing spreads them over all three
+            list(pool.map(lambda i: chat(epd, [image_bytes(random_image(70, 50 + i, seed=950 + i))],
+                                         f"after restart {i}", max_tokens=8, ignore_eos=True), range(12)))
+        assert ring_handoffs() - before >= 12
+        assert lane.written > 0     # some of them went to the new incarnation's ring
+    finally:
+        lane.close()

@@ -7,6 +7,7 @@ lapsed) and StaleHandleError says so.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,22 +18,35 @@ from pipeline.arena.dtypes import dtype_from_name
 from pipeline.arena.shm import ShmSegment
 from pipeline.protocol import ArenaHandle, ArenaInfo
 
+log = logging.getLogger(__name__)
+
 
 class StaleHandleError(Exception):
     """The handle's blocks were reused; its embedding is gone."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class PendingRead:
     tensor: torch.Tensor
-    event: torch.cuda.Event | None  # None: the copy is already complete (CPU)
+    event: torch.cuda.Event | None  # None: the copy is complete (CPU, or seen done)
+    spare_events: list | None = None  # where the event goes back once the copy is done
 
     def done(self) -> bool:
-        return self.event is None or self.event.query()
+        if self.event is not None and self.event.query():
+            self._recycle()
+        return self.event is None
 
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+            self._recycle()
+
+    def _recycle(self) -> None:
+        # Creating an event costs a driver call each time (about 13 us on the
+        # GPU box); a completed one can be recorded again.
+        if self.spare_events is not None:
+            self.spare_events.append(self.event)
+        self.event = None
 
 
 @dataclass
@@ -41,6 +55,7 @@ class _Opened:
     data: torch.Tensor
     generations: np.ndarray
     segments: list[ShmSegment]
+    copier: object = None   # the reader's GraphCopier, if this arena is mapped on its device
 
 
 class ArenaReader:
@@ -48,8 +63,13 @@ class ArenaReader:
     (peer access) rather than on the producer's GPU."""
 
     def __init__(self, device: torch.device | None = None) -> None:
+        if device is not None and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device if device is not None and device.type == "cuda" else None
         self._arenas: dict[str, _Opened] = {}
+        self._spare_events: list[torch.cuda.Event] = []
+        self._copier = None      # a GraphCopier, once a CUDA arena is open on our device
+        self._copier_tried = False
 
     def open(self, info: ArenaInfo) -> None:
         """Map an arena (no-op if already open)."""
@@ -67,7 +87,25 @@ class ArenaReader:
             gen_shm.close()
             raise ValueError(f"unknown arena kind {info.kind!r}")
         generations = np.frombuffer(gen_shm.mmap, dtype=np.int64)
-        self._arenas[info.arena_id] = _Opened(info, data, generations, segments)
+        copier = self._copier_for(data.device) if info.kind == "cuda" else None
+        self._arenas[info.arena_id] = _Opened(info, data, generations, segments, copier)
+
+    def _copier_for(self, device: torch.device):
+        """The graph copier for arenas mapped on our device, set up when the
+        first opens (its kernel compiles and its graphs are captured here, not
+        on the first request's handoff); None: copies use Tensor.copy_."""
+        if device != self.device:
+            return None
+        if self._copier_tried:
+            return self._copier
+        self._copier_tried = True
+        try:
+            # Imported here: triton loads only in processes that read CUDA arenas.
+            from pipeline.arena.graph_copy import GraphCopier
+            self._copier = GraphCopier(device)
+        except Exception as exc:  # no or a broken Triton must not take the stage down
+            log.warning("graph copies unavailable (%s); using Tensor.copy_", exc)
+        return self._copier
 
     def is_open(self, arena_id: str) -> bool:
         return arena_id in self._arenas
@@ -89,20 +127,28 @@ class ArenaReader:
         `verify()`, then release the lease. Raises KeyError for an arena never
         opened, StaleHandleError if the blocks were already reused."""
         arena = self._arenas[handle.arena_id]
+        if handle.offset < 0 or handle.nbytes < 0 or handle.offset + handle.nbytes > arena.info.capacity:
+            raise ValueError(f"handle [{handle.offset}, +{handle.nbytes}) is outside arena "
+                             f"{handle.arena_id} of {arena.info.capacity} bytes")
         self.verify(handle)
-        source = arena.data[handle.offset:handle.offset + handle.nbytes]
         if out is None:
             out = torch.empty(handle.shape, dtype=dtype_from_name(handle.dtype),
                               device=device if device is not None else arena.data.device)
         elif tuple(out.shape) != tuple(handle.shape) or out.dtype != dtype_from_name(handle.dtype):
             raise ValueError(f"output {tuple(out.shape)} {out.dtype} does not fit handle "
                              f"{handle.shape} {handle.dtype}")
-        out.view(-1).view(torch.uint8).copy_(source, non_blocking=True)
-        event = None
-        if out.is_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(out.device))
-        return PendingRead(out, event)
+        if not out.is_cuda:
+            out.view(-1).view(torch.uint8).copy_(arena.data[handle.offset:handle.offset + handle.nbytes])
+            return PendingRead(out, None)
+        source = arena.data.data_ptr() + handle.offset
+        if arena.copier is not None and out.device == arena.copier.device \
+                and arena.copier.can_copy(source, handle.nbytes, out):
+            return PendingRead(out, arena.copier.copy(source, out, handle.nbytes))
+        out.view(-1).view(torch.uint8).copy_(arena.data[handle.offset:handle.offset + handle.nbytes],
+                                             non_blocking=True)
+        event = self._spare_events.pop() if self._spare_events else torch.cuda.Event()
+        event.record(torch.cuda.current_stream(out.device))
+        return PendingRead(out, event, self._spare_events)
 
     def verify(self, handle: ArenaHandle) -> None:
         """Raise StaleHandleError unless the handle's blocks still carry its generation."""
@@ -122,7 +168,7 @@ class ArenaReader:
         """Unmap one arena (its producer restarted with a new one)."""
         arena = self._arenas.pop(arena_id, None)
         if arena is not None:
-            arena.data = None
+            arena.data = arena.copier = None
             arena.generations = None
             for segment in arena.segments:
                 segment.close()

@@ -17,11 +17,11 @@ from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "epd-"
-_NAME = re.compile(r"^epd-(?P<instance>[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*)-(?P<pid>\d+)-(?P<role>[a-z]+)$")
+_NAME = re.compile(r"^epd-(?P<instance>[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*)-(?P<pid>\d+)-(?P<role>[a-z][a-z0-9]*)$")
 
 
 def segment_name(instance: str, role: str, pid: int | None = None) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", instance) or not re.fullmatch(r"[a-z]+", role):
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", instance) or not re.fullmatch(r"[a-z][a-z0-9]*", role):
         raise ValueError(f"bad segment name parts: instance={instance!r} role={role!r}")
     return f"{PREFIX}{instance}-{pid or os.getpid()}-{role}"
 

@@ -23,6 +23,7 @@ from pipeline import protocol
 from pipeline.arena.index import ArenaFull, Entry, State
 from pipeline.arena.store import ArenaStore
 from pipeline.encoder.batching import take_batch
+from pipeline.encoder.ring_lanes import RingLanes
 from pipeline.encoder.single_flight import SingleFlight
 from pipeline.hashing import content_hash, media_salt
 from pipeline.media.base import DecodedImage, MediaBackend
@@ -61,6 +62,7 @@ class EncoderService:
         self.media = media
         self.image_config = image_config
         self.send = send
+        self.lanes = RingLanes(send, settings.encoder_id)
         self.decode_pool = decode_pool
         self.compute_pool = compute_pool
         self.salt = media_salt(settings.model_id, image_config.settings_key())
@@ -88,6 +90,7 @@ class EncoderService:
         elif isinstance(message, protocol.Heartbeat):
             self.store.index.heartbeat(message.sender)
         elif isinstance(message, protocol.Hello):
+            self.lanes.on_hello(message)
             self.handle_hello(message.reply_to)
         elif isinstance(message, protocol.StatsRequest):
             self.send(message.reply_to, self.stats())
@@ -254,11 +257,16 @@ class EncoderService:
         ready = protocol.EmbeddingReady(job.job_id, job.request_id, entry.content_hash,
                                         self.store.handle(entry), lease.lease_id,
                                         self.settings.encoder_id, dedup)
-        if self.send(job.consumer, ready):
-            self.counters["dedup" if dedup else "encoded"] += 1
+        if self.lanes.deliver(job.consumer, ready):
+            lane = "ring"
+        elif self.send(job.consumer, ready):
+            lane = "socket"
         else:
             self.store.index.release(lease.lease_id)
             self.counters["failed"] += 1
+            return
+        self.counters["dedup" if dedup else "encoded"] += 1
+        self.counters[f"handoffs.{lane}"] += 1
 
     def _fail_all(self, key: str, reason: str, retryable: bool) -> None:
         for job in self.flight.finish(key):

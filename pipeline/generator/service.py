@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline import protocol
+from pipeline.arena import ring
 from pipeline.arena.reader import ArenaReader, StaleHandleError
 from pipeline.engine.engine import Engine
 from pipeline.engine.output import RequestOutput
@@ -56,7 +57,8 @@ class GeneratorService:
     def __init__(self, engine: Engine, address: str, device: torch.device,
                  send: Callable[[str, protocol.Message], bool],
                  encoders: list[str], embedding_timeout: float = 60.0,
-                 decode_images: Callable | None = None, heartbeat_interval: float = 1.0) -> None:
+                 decode_images: Callable | None = None, heartbeat_interval: float = 1.0,
+                 rings: dict[str, ring.Consumer] | None = None) -> None:
         self.engine = engine
         self.address = address
         self.device = device
@@ -65,6 +67,9 @@ class GeneratorService:
         self.embedding_timeout = embedding_timeout
         self.decode_images = decode_images   # aggregated mode: media bytes -> [(pixels, grid)]
         self.heartbeat_interval = heartbeat_interval
+        # Same-host encoders put EmbeddingReady here rather than on the socket
+        # (pipeline/arena/ring.py): encoder address -> the ring it writes.
+        self.rings = rings or {}
         self.reader = ArenaReader(device)
         self.tracked: dict[str, _Tracked] = {}
         self.key_source: dict[str, str] = {}     # image key -> encoder address that delivered it
@@ -85,14 +90,27 @@ class GeneratorService:
     # ----------------------------------------------------------------- loop
 
     def run(self, inbound: queue.SimpleQueue, stop: threading.Event) -> None:
+        try:
+            self._loop(inbound, stop)
+        finally:
+            for lane in self.rings.values():
+                lane.close()
+
+    def _loop(self, inbound: queue.SimpleQueue, stop: threading.Event) -> None:
         for address in self.encoders:
-            self.send(address, protocol.Hello(self.address, self.address))
+            self._hello(address)
         while not stop.is_set():
             # Nothing runnable (no requests, or all wait on images): sleep on
             # the inbox instead of spinning the step loop.
             idle = not self.engine.has_work() or self.engine.last_step_idle
             started = time.perf_counter()
-            self._drain(inbound, block=idle)
+            self._drain_rings()
+            # Rings first; block on the socket only if every ring agreed to
+            # wake us there (a message that raced in makes it refuse).
+            self._drain(inbound, block=idle and all(lane.may_sleep() for lane in self.rings.values()))
+            for lane in self.rings.values():
+                lane.awake()
+            self._drain_rings()
             self._finish_copies()
             self._expire_overdue()
             self._heartbeat()
@@ -108,10 +126,26 @@ class GeneratorService:
                     self._emit(output)
                 self._refetch()
                 self.engine.profile.outside_s += before + time.perf_counter() - stepped
+        self._drain_rings()     # handles written to us are leased: take them to release them
         for pending, _, _ in self.copies:
             pending.wait()
         self._finish_copies()   # give every lease back before leaving
         self.reader.close()
+
+    def _hello(self, address: str) -> None:
+        lane = self.rings.get(address)
+        self.send(address, protocol.Hello(self.address, self.address, lane.segment.name if lane else "",
+                                          ring.host_id() if lane else ""))
+
+    def _drain_rings(self) -> None:
+        for lane in self.rings.values():
+            for frame in lane.pop():
+                try:
+                    message = protocol.decode(frame)
+                except (ValueError, TypeError):
+                    log.warning("dropped a ring message that is not a declared message")
+                    continue
+                self.handle(message)
 
     def _drain(self, inbound: queue.SimpleQueue, block: bool) -> None:
         try:
@@ -167,6 +201,8 @@ class GeneratorService:
                 self._on_embedding(ready)
         elif isinstance(message, protocol.StatsRequest):
             self.send(message.reply_to, self.stats())
+        elif isinstance(message, protocol.Wake):
+            pass    # it woke the loop, which reads the rings next
         else:
             log.warning("ignoring unexpected %s", type(message).__name__)
 
@@ -200,14 +236,14 @@ class GeneratorService:
             # An encoder we have not heard from: ask it, keep the handle (leased) meanwhile.
             self.waiting_for_arena.append(ready)
             for address in self.encoders:
-                self.send(address, protocol.Hello(self.address, self.address))
+                self._hello(address)
             return
         encoder = self.encoder_addresses.get(ready.encoder_id, "")
         try:
             # Queued on this thread's stream: the forward that uses it runs after
             # it on the same stream, so nothing here waits for the copy.
             pending = self.reader.read_async(ready.handle, device=self.device)
-        except StaleHandleError as exc:
+        except (StaleHandleError, ValueError) as exc:   # reused blocks, or a handle outside the arena
             self.send(encoder, protocol.ReleaseLease((ready.lease_id,), self.address))
             self._fail_key(ready.content_hash, f"image embedding lost: {exc}")
             return

@@ -49,6 +49,8 @@ _LABELLED_COUNTERS = (
     ("epd_encoder_busy_seconds", "Encoder time decoding images and in vision forwards", "encoder", "busy_us.",
      "phase", 1e-6),
     ("epd_encoder_images", "Images decoded and run through the vision tower", "encoder", "images.", "phase", 1),
+    ("epd_encoder_handoffs", "Embeddings handed to generators, by lane (a same-host ring, or the socket)",
+     "encoder", "handoffs.", "lane", 1),
 )
 
 

@@ -1,0 +1,52 @@
+"""The arena read path's copy kernel under Triton's interpreter: it copies
+exactly the words its descriptor names (source, destination, count), for
+sizes that leave a partial last block and for runs longer than one sweep of
+the programs, and nothing past them."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed: the arena copy kernel is a CUDA-only extra", allow_module_level=True)
+import test_kernels  # noqa: E402,F401  (sets TRITON_INTERPRET=1 before triton loads)
+
+from pipeline.kernels import arena_copy  # noqa: E402
+
+
+def descriptor(src: torch.Tensor, src_word: int, dst: torch.Tensor, words: int) -> torch.Tensor:
+    row = torch.zeros(arena_copy.DESCRIPTOR_FIELDS, dtype=torch.int64)
+    row[arena_copy.SRC] = src.data_ptr() + src_word * arena_copy.WORD
+    row[arena_copy.DST] = dst.data_ptr()
+    row[arena_copy.WORDS] = words
+    return row
+
+
+@pytest.mark.parametrize("offset_words, n_words, programs", [(0, 5, 4), (16, arena_copy.BLOCK + 3, 4),
+                                                             (3, 5 * arena_copy.BLOCK - 1, 2), (7, 0, 3)])
+def test_copy_by_descriptor_moves_exactly_the_named_words(offset_words, n_words, programs):
+    gen = torch.Generator().manual_seed(n_words)
+    arena = torch.randint(-2**62, 2**62, (offset_words + n_words + 7,), generator=gen, dtype=torch.int64)
+    out = torch.zeros(n_words + 3, dtype=torch.int64)     # 3 words past the copy stay untouched
+    arena_copy.copy_by_descriptor(descriptor(arena, offset_words, out, n_words), programs)
+    assert torch.equal(out[:n_words], arena[offset_words:offset_words + n_words])
+    assert torch.equal(out[n_words:], torch.zeros(3, dtype=torch.int64))
+
+
+def test_copy_by_descriptor_keeps_bf16_bits():
+    embedding = torch.randn(6, 8).to(torch.bfloat16)
+    out = torch.zeros_like(embedding)
+    arena_copy.copy_by_descriptor(descriptor(embedding.view(-1).view(torch.int64), 0, out,
+                                             embedding.numel() * 2 // arena_copy.WORD), 2)
+    assert torch.equal(out, embedding)
+
+
+def test_copyable_wants_whole_aligned_words():
+    out = torch.zeros(16, dtype=torch.uint8)
+    assert arena_copy.copyable(1 << 16, 16, out)
+    assert not arena_copy.copyable((1 << 16) + 4, 16, out)
+    assert not arena_copy.copyable(1 << 16, 12, out)
+    assert not arena_copy.copyable(1 << 16, 8, out[1:9])
