@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import zmq  # noqa: E402
 
+from bench_procs import result_or_raise  # noqa: E402
 from pipeline import protocol  # noqa: E402
 
 WIDTH = 2048  # a 3B-class hidden size; bf16 rows of 4 KiB
@@ -118,6 +119,7 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
     out.send(protocol.encode(protocol.Hello("consumer", address, mine.segment.name if mine else "",
                                             ring.host_id() if mine else "")))
     waiting: list[bytes] = []
+    spins = [0]
 
     def recv():
         """The next message from the ring or the socket, as the generator's
@@ -129,6 +131,12 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
             if waiting:
                 return protocol.decode(waiting.pop(0))
             if spin:
+                # A generator's engine thread never touches its socket (a
+                # receiver thread does); here, with a ring, look at the socket
+                # only now and then, for the control messages.
+                spins[0] += 1
+                if mine is not None and spins[0] % 256:
+                    continue
                 try:
                     message = protocol.decode(inbox.recv(zmq.NOBLOCK))
                 except zmq.Again:
@@ -236,25 +244,10 @@ def run_torch_ipc(sizes: list[int], iters: int, device: str) -> dict:
              ctx.Process(target=torch_ipc_consumer, args=(queue, acks, device, results))]
     for p in procs:
         p.start()
-    out = _result(results, procs)
+    out = result_or_raise(results, procs)
     for p in procs:
         p.join(timeout=60)
     return out
-
-
-def _result(queue, procs, limit: float = 600.0):
-    """The run's result, or an error as soon as one of its processes died."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            return queue.get(timeout=1.0)
-        except Exception:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"a bench process exited with {dead[0]}") from None
-    raise TimeoutError("no result from the bench processes")
 
 
 # ------------------------------------------------------------------- main
@@ -272,7 +265,7 @@ def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool
     time.sleep(1.0)  # the consumer binds first
     prod = ctx.Process(target=producer, args=(p_addr, c_addr, sizes, iters, checks))
     prod.start()
-    out = _result(results, [prod, cons])
+    out = result_or_raise(results, [prod, cons])
     prod.join(timeout=60)
     cons.join(timeout=60)
     if prod.exitcode != 0:

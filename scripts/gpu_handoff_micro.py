@@ -32,12 +32,14 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import zmq  # noqa: E402
 
+from bench_procs import result_or_raise  # noqa: E402
 from pipeline import protocol  # noqa: E402
 from pipeline.arena import ring  # noqa: E402
 
 WIDTH = 2048
 SIZES = (2, 8)
-VARIANTS = ("read_async", "copy_", "graph")
+VARIANTS = ("read_async", "copy_", "graph", "steps")
+STEPS = ("verify_before", "checks", "slot", "descriptor", "replay", "record", "wait", "verify_after")
 
 
 def rows_for(mib: int) -> int:
@@ -62,7 +64,7 @@ class Lane:
             deadline = time.time() + 30
             while True:
                 try:
-                    self.outbox = ring.attach(theirs, 64, 1024)
+                    self.outbox = ring.attach(theirs, stale_s=30)
                     break
                 except FileNotFoundError:
                     if time.time() > deadline:
@@ -174,6 +176,35 @@ def consumer(lane_kind: str, run_dir: str, device: str, arena_info: bytes, iters
             while not event.query():
                 pass
             reader.verify(handle)
+        elif variant == "steps":     # read_async's copier path inline, each step timed
+            marks = [time.perf_counter_ns()]
+            reader.verify(handle)
+            marks.append(time.perf_counter_ns())
+            copier = arena.copier
+            assert out.get_device() == copier.index and copier.accepts(handle.nbytes, out)
+            assert torch.cuda.current_device() == copier.index
+            marks.append(time.perf_counter_ns())
+            slot = copier._next
+            copier._next = slot + 1 if slot + 1 < copier._slots else 0
+            slot_event = copier._events[slot]
+            if copier._in_use[slot] and not slot_event.query():
+                slot_event.synchronize()
+            copier._in_use[slot] = True
+            marks.append(time.perf_counter_ns())
+            copier._rows[slot, :3] = (arena.base + handle.offset, out.data_ptr(), handle.nbytes // 8)
+            marks.append(time.perf_counter_ns())
+            copier._graphs[slot].replay()
+            marks.append(time.perf_counter_ns())
+            if not copier._recorded_in_graph:
+                slot_event.record()
+            marks.append(time.perf_counter_ns())
+            while not slot_event.query():
+                pass
+            marks.append(time.perf_counter_ns())
+            reader.verify(handle)
+            marks.append(time.perf_counter_ns())
+            for name, a, b in zip(STEPS, marks, marks[1:]):
+                samples.setdefault(f"steps/{mib}MiB/step:{name}", []).append(b - a)
         else:
             start, graph, _ = graphs[mib]
             start[0] = handle.offset // arena.info.block_bytes
@@ -235,28 +266,13 @@ def run(lane_kind: str, device: str, iters: int) -> dict:
     results, infos = ctx.Queue(), ctx.Queue()
     prod = ctx.Process(target=producer, args=(lane_kind, str(run_dir), iters, infos))
     prod.start()
-    info = _get(infos, [prod])
+    info = result_or_raise(infos, [prod])
     cons = ctx.Process(target=consumer, args=(lane_kind, str(run_dir), device, info, iters, results))
     cons.start()
-    out = _get(results, [prod, cons])
+    out = result_or_raise(results, [prod, cons])
     prod.join(timeout=60)
     cons.join(timeout=60)
     return out
-
-
-def _get(queue, procs, limit: float = 180.0):
-    """The next result, or an error as soon as a process died without one."""
-    deadline = time.time() + limit
-    while time.time() < deadline:
-        try:
-            return queue.get(timeout=1.0)
-        except Exception:
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"a bench process exited with {dead[0].exitcode}") from None
-    raise TimeoutError("no result")
 
 
 def main() -> int:
@@ -280,6 +296,9 @@ def main() -> int:
                 parts = " ".join(f"{p} {result[f'{key}/{p}']['p50']:6.1f}/{result[f'{key}/{p}']['p99']:6.1f}"
                                  for p in ("message", "copy", "total"))
                 print(f"  {key:<20} p50/p99 us: {parts}")
+        for mib in SIZES:
+            print(f"  steps/{mib}MiB p50 us: " + ", ".join(
+                f"{step} {result[f'steps/{mib}MiB/step:{step}']['p50']:.1f}" for step in STEPS))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 1 if bad else 0

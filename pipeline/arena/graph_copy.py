@@ -15,6 +15,8 @@ docs/benchmarks.md, issue 3.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
@@ -24,9 +26,17 @@ from pipeline.kernels import arena_copy
 class GraphCopier:
     def __init__(self, device: torch.device, slots: int = 32) -> None:
         self.device = device
+        self.index = device.index
+        self._slots = slots
         self._table = torch.zeros(slots, arena_copy.DESCRIPTOR_FIELDS, dtype=torch.int64, pin_memory=True)
         self._rows: np.ndarray = self._table.numpy()
-        self._events = [torch.cuda.Event() for _ in range(slots)]
+        # Each row's event is recorded by its graph (an event-record node), so
+        # a copy makes no record call: on the GPU box `Event.record()` cost
+        # 10-13 us of host time, more than the replay. Where this torch cannot
+        # capture events, copy() records after the replay instead.
+        self._recorded_in_graph = "external" in inspect.signature(torch.cuda.Event.__new__).parameters
+        self._events = [torch.cuda.Event(external=True) if self._recorded_in_graph else torch.cuda.Event()
+                        for _ in range(slots)]
         self._in_use = [False] * slots
         self._next = 0
         # Capture after one eager launch (which compiles the kernel), on a
@@ -41,37 +51,40 @@ class GraphCopier:
         torch.cuda.current_stream(device).wait_stream(stream)
         self._graphs = []
         pool = None
-        for address in self._addresses:
+        for address, event in zip(self._addresses, self._events):
             graph = torch.cuda.CUDAGraph()
             # thread_local: another thread of the stage may use CUDA meanwhile.
             with torch.cuda.device(device), torch.cuda.graph(graph, pool=pool, stream=stream,
                                                              capture_error_mode="thread_local"):
                 arena_copy.copy_by_descriptor(address)
+                if self._recorded_in_graph:
+                    event.record()
             pool = graph.pool()
             self._graphs.append(graph)
         torch.cuda.current_stream(device).synchronize()
 
     @staticmethod
-    def can_copy(src_address: int, nbytes: int, out: torch.Tensor) -> bool:
-        return arena_copy.copyable(src_address, nbytes, out) and out.numel() * out.element_size() >= nbytes
+    def accepts(nbytes: int, out: torch.Tensor) -> bool:
+        """Whether `out` can take a copy of `nbytes` (whole words, aligned).
+        Sources must be word-aligned too: arena offsets are block-aligned."""
+        return nbytes % arena_copy.WORD == 0 and out.data_ptr() % arena_copy.WORD == 0 and out.is_contiguous()
 
-    def copy(self, src_address: int, out: torch.Tensor, nbytes: int) -> torch.cuda.Event:
-        """Queue the copy of `nbytes` from `src_address` (device-readable)
-        into `out` on the current stream. Returns an event that completes
-        once the copy has (it is recorded again `slots` copies later, after
-        it completed: waiting on it is never too early)."""
-        if not self.can_copy(src_address, nbytes, out):
-            raise ValueError(f"cannot copy {nbytes} bytes from {src_address:#x} into {tuple(out.shape)}")
+    def copy(self, src_address: int, dst_address: int, nbytes: int) -> torch.cuda.Event:
+        """Queue the copy of `nbytes` (whole words) from `src_address` to
+        `dst_address`, both device-readable and word-aligned (the caller
+        checked: see `accepts`), on the current stream of our device. Returns an event that completes once
+        the copy has (it is recorded again `slots` copies later, after it
+        completed: waiting on it is never too early)."""
         slot = self._next
-        self._next = (slot + 1) % len(self._graphs)
+        self._next = slot + 1 if slot + 1 < self._slots else 0
         event = self._events[slot]
-        if self._in_use[slot] and not event.query():
-            event.synchronize()     # `slots` copies still queued: wait for the oldest
-        row = self._rows[slot]
-        row[arena_copy.SRC] = src_address
-        row[arena_copy.DST] = out.data_ptr()
-        row[arena_copy.WORDS] = nbytes // arena_copy.WORD
+        if self._in_use[slot]:
+            if not event.query():
+                event.synchronize()     # `slots` copies still queued: wait for the oldest
+        else:
+            self._in_use[slot] = True
+        self._rows[slot, :3] = (src_address, dst_address, nbytes // arena_copy.WORD)
         self._graphs[slot].replay()
-        event.record()
-        self._in_use[slot] = True
+        if not self._recorded_in_graph:
+            event.record(torch.cuda.current_stream(self.device))
         return event

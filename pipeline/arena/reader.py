@@ -8,9 +8,9 @@ lapsed) and StaleHandleError says so.
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pipeline.arena import cuda_ipc
@@ -53,9 +53,10 @@ class PendingRead:
 class _Opened:
     info: ArenaInfo
     data: torch.Tensor
-    generations: np.ndarray
+    generations: mmap.mmap     # int64 per block, little-endian
     segments: list[ShmSegment]
     copier: object = None   # the reader's GraphCopier, if this arena is mapped on its device
+    base: int = 0           # the data's device address
 
 
 class ArenaReader:
@@ -86,9 +87,8 @@ class ArenaReader:
         else:
             gen_shm.close()
             raise ValueError(f"unknown arena kind {info.kind!r}")
-        generations = np.frombuffer(gen_shm.mmap, dtype=np.int64)
         copier = self._copier_for(data.device) if info.kind == "cuda" else None
-        self._arenas[info.arena_id] = _Opened(info, data, generations, segments, copier)
+        self._arenas[info.arena_id] = _Opened(info, data, gen_shm.mmap, segments, copier, data.data_ptr())
 
     def _copier_for(self, device: torch.device):
         """The graph copier for arenas mapped on our device, set up when the
@@ -125,27 +125,33 @@ class ArenaReader:
         current stream of the destination, so work queued after it on that
         stream sees the data; `wait()` before trusting it from elsewhere, then
         `verify()`, then release the lease. Raises KeyError for an arena never
-        opened, StaleHandleError if the blocks were already reused."""
+        opened, StaleHandleError if the blocks were already reused, ValueError
+        for a handle outside the arena or an `out` that does not fit."""
         arena = self._arenas[handle.arena_id]
-        if handle.offset < 0 or handle.nbytes < 0 or handle.offset + handle.nbytes > arena.info.capacity:
-            raise ValueError(f"handle [{handle.offset}, +{handle.nbytes}) is outside arena "
-                             f"{handle.arena_id} of {arena.info.capacity} bytes")
-        self.verify(handle)
+        offset, nbytes = handle.offset, handle.nbytes
+        if offset < 0 or nbytes < 0 or offset + nbytes > arena.info.capacity:
+            raise ValueError(f"handle [{offset}, +{nbytes}) is outside arena {handle.arena_id} "
+                             f"of {arena.info.capacity} bytes")
+        self.verify(handle)     # fail early on a lapsed lease; verify() after the copy is the proof
         if out is None:
             out = torch.empty(handle.shape, dtype=dtype_from_name(handle.dtype),
                               device=device if device is not None else arena.data.device)
+            ours = True
         elif tuple(out.shape) != tuple(handle.shape) or out.dtype != dtype_from_name(handle.dtype):
             raise ValueError(f"output {tuple(out.shape)} {out.dtype} does not fit handle "
                              f"{handle.shape} {handle.dtype}")
-        if not out.is_cuda:
-            out.view(-1).view(torch.uint8).copy_(arena.data[handle.offset:handle.offset + handle.nbytes])
+        else:
+            ours = False
+        index = out.get_device()
+        if index < 0:
+            out.view(-1).view(torch.uint8).copy_(arena.data[offset:offset + nbytes])
             return PendingRead(out, None)
-        source = arena.data.data_ptr() + handle.offset
-        if arena.copier is not None and out.device == arena.copier.device \
-                and arena.copier.can_copy(source, handle.nbytes, out):
-            return PendingRead(out, arena.copier.copy(source, out, handle.nbytes))
-        out.view(-1).view(torch.uint8).copy_(arena.data[handle.offset:handle.offset + handle.nbytes],
-                                             non_blocking=True)
+        copier = arena.copier
+        # The hot path: one graph replay, checks kept to plain ints.
+        if (copier is not None and index == copier.index and (offset | nbytes) % 8 == 0
+                and (ours or copier.accepts(nbytes, out)) and torch.cuda.current_device() == index):
+            return PendingRead(out, copier.copy(arena.base + offset, out.data_ptr(), nbytes))
+        out.view(-1).view(torch.uint8).copy_(arena.data[offset:offset + nbytes], non_blocking=True)
         event = self._spare_events.pop() if self._spare_events else torch.cuda.Event()
         event.record(torch.cuda.current_stream(out.device))
         return PendingRead(out, event, self._spare_events)
@@ -159,8 +165,10 @@ class ArenaReader:
 
     @staticmethod
     def _check(arena: _Opened, handle: ArenaHandle, first: int, last: int) -> None:
-        gens = arena.generations[first:last + 1]
-        if not (gens == handle.generation).all():
+        # Compared as bytes, not through numpy: 0.2 against 1.7 us per check
+        # here, and it runs twice per handoff.
+        expected = handle.generation.to_bytes(8, "little", signed=True) * (last - first + 1)
+        if arena.generations[first * 8:(last + 1) * 8] != expected:
             raise StaleHandleError(f"arena {handle.arena_id} blocks {first}-{last} were reused "
                                    f"(generation {handle.generation} expected)")
 

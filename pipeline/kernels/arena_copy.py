@@ -50,12 +50,6 @@ class Address:
         return self.address
 
 
-def copyable(src_address: int, nbytes: int, out: torch.Tensor) -> bool:
-    """Whether the kernel can do this copy (whole, aligned words)."""
-    return (src_address % WORD == 0 and nbytes % WORD == 0 and out.data_ptr() % WORD == 0
-            and out.is_contiguous())
-
-
 def copy_by_descriptor(descriptor: torch.Tensor | Address, programs: int = PROGRAMS) -> None:
     """Queue the copy that `descriptor` (int64 [src, dst, words, pad]) names,
     on the current stream. Captured into a graph by GraphCopier; called
