@@ -103,6 +103,56 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
         store.close()
 
 
+class ReadyInbox:
+    """The next message from the ring or the socket, as the generator's loop
+    takes them: spinning (a busy generator) or, blocking, with the ring's
+    sleep flag raised so the producer sends a wake-up."""
+
+    def __init__(self, socket, ring_in, spin: bool) -> None:
+        self.socket, self.ring, self.spin = socket, ring_in, spin
+        self.waiting: list[bytes] = []
+        self.spins = 0
+
+    def recv(self):
+        while True:
+            if self.ring is not None and not self.waiting:
+                self.waiting.extend(self.ring.pop())
+            if self.waiting:
+                return protocol.decode(self.waiting.pop(0))
+            message = self._from_socket()
+            if message is not None and not isinstance(message, protocol.Wake):
+                return message
+
+    def _from_socket(self):
+        if self.spin:
+            # A generator's engine thread never touches its socket (a receiver
+            # thread does); here, with a ring, look at the socket only now and
+            # then, for the control messages.
+            self.spins += 1
+            if self.ring is not None and self.spins % 256:
+                return None
+            try:
+                return protocol.decode(self.socket.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return None
+        if self.ring is not None and not self.ring.may_sleep():
+            return None
+        message = protocol.decode(self.socket.recv())
+        if self.ring is not None:
+            self.ring.awake()
+        return message
+
+
+def summarise(samples: dict[str, list[int]], result: dict) -> None:
+    for key, s in samples.items():
+        mib, part = key.split("/")
+        stats = percentiles(s[len(s) // 10:])  # first 10%: warm-up
+        if part in ("total", "handoff"):
+            result["sizes"].setdefault(mib, {})[part] = stats
+        else:
+            result.setdefault("parts", {}).setdefault(mib, {})[part] = stats["p50_us"]
+
+
 def consumer(address: str, producer_address: str, device: str, checks: int, spin: bool,
              peer_context: bool, lane: str) -> dict:
     from pipeline.arena import ring
@@ -118,37 +168,7 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
     mine = rings.get(producer_address)
     out.send(protocol.encode(protocol.Hello("consumer", address, mine.segment.name if mine else "",
                                             ring.host_id() if mine else "")))
-    waiting: list[bytes] = []
-    spins = [0]
-
-    def recv():
-        """The next message from the ring or the socket, as the generator's
-        loop takes them: spinning (a busy generator) or, blocking, with the
-        ring's sleep flag raised so the producer sends a wake-up."""
-        while True:
-            if mine is not None and not waiting:
-                waiting.extend(mine.pop())
-            if waiting:
-                return protocol.decode(waiting.pop(0))
-            if spin:
-                # A generator's engine thread never touches its socket (a
-                # receiver thread does); here, with a ring, look at the socket
-                # only now and then, for the control messages.
-                spins[0] += 1
-                if mine is not None and spins[0] % 256:
-                    continue
-                try:
-                    message = protocol.decode(inbox.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    continue
-            else:
-                if mine is not None and not mine.may_sleep():
-                    continue
-                message = protocol.decode(inbox.recv())
-                if mine is not None:
-                    mine.awake()
-            if not isinstance(message, protocol.Wake):
-                return message
+    recv = ReadyInbox(inbox, mine, spin).recv
 
     announce = recv()
     t = time.perf_counter_ns()
@@ -185,13 +205,7 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
                                 ("read:queue", t_queued - t_recv), ("read:wait", t_copied - t_queued),
                                 ("read:verify", t1 - t_copied)):
                 samples.setdefault(f"{mib}/{part}", []).append(value)
-    for key, s in samples.items():
-        mib, part = key.split("/")
-        stats = percentiles(s[len(s) // 10:])  # first 10%: warm-up
-        if part in ("total", "handoff"):
-            result["sizes"].setdefault(mib, {})[part] = stats
-        else:
-            result.setdefault("parts", {}).setdefault(mib, {})[part] = stats["p50_us"]
+    summarise(samples, result)
     reader.close()
     for lane_ring in rings.values():
         result["ring_messages"] = lane_ring.written

@@ -144,8 +144,7 @@ def consumer(lane_kind: str, run_dir: str, device: str, arena_info: bytes, iters
     arena = reader._arenas[info.arena_id]
     expected = {mib: seeded(mib, device) for mib in SIZES}
     outs = {mib: torch.empty_like(expected[mib]) for mib in SIZES}
-    event = torch.cuda.Event()
-    stream = torch.cuda.current_stream()
+    event, stream = torch.cuda.Event(), torch.cuda.current_stream()
     graphs = _capture_graphs(arena.data, arena.info.block_bytes, outs)
     lane.send(b"open")
     samples: dict[str, list[int]] = {}
@@ -164,55 +163,7 @@ def consumer(lane_kind: str, run_dir: str, device: str, arena_info: bytes, iters
             out.zero_()
             stream.synchronize()
             t_recv = time.perf_counter_ns()
-        if variant == "read_async":
-            pending = reader.read_async(handle, out=out)
-            while not pending.done():
-                pass
-            reader.verify(handle)
-        elif variant == "copy_":
-            source = arena.data[handle.offset:handle.offset + handle.nbytes]
-            out.view(-1).view(torch.uint8).copy_(source, non_blocking=True)
-            event.record(stream)
-            while not event.query():
-                pass
-            reader.verify(handle)
-        elif variant == "steps":     # read_async's copier path inline, each step timed
-            marks = [time.perf_counter_ns()]
-            reader.verify(handle)
-            marks.append(time.perf_counter_ns())
-            copier = arena.copier
-            assert out.get_device() == copier.index and copier.accepts(handle.nbytes, out)
-            assert torch.cuda.current_device() == copier.index
-            marks.append(time.perf_counter_ns())
-            slot = copier._next
-            copier._next = slot + 1 if slot + 1 < copier._slots else 0
-            slot_event = copier._events[slot]
-            if copier._in_use[slot] and not slot_event.query():
-                slot_event.synchronize()
-            copier._in_use[slot] = True
-            marks.append(time.perf_counter_ns())
-            copier._rows[slot, :3] = (arena.base + handle.offset, out.data_ptr(), handle.nbytes // 8)
-            marks.append(time.perf_counter_ns())
-            copier._graphs[slot].replay()
-            marks.append(time.perf_counter_ns())
-            if not copier._recorded_in_graph:
-                slot_event.record()
-            marks.append(time.perf_counter_ns())
-            while not slot_event.query():
-                pass
-            marks.append(time.perf_counter_ns())
-            reader.verify(handle)
-            marks.append(time.perf_counter_ns())
-            for name, a, b in zip(STEPS, marks, marks[1:]):
-                samples.setdefault(f"steps/{mib}MiB/step:{name}", []).append(b - a)
-        else:
-            start, graph, _ = graphs[mib]
-            start[0] = handle.offset // arena.info.block_bytes
-            graph.replay()
-            event.record(stream)
-            while not event.query():
-                pass
-            reader.verify(handle)
+        copy_out(variant, reader, arena, handle, out, graphs[mib], samples, event, stream)
         t_done = time.perf_counter_ns()
         lane.send(b"ack")
         if n < 24:
@@ -230,6 +181,66 @@ def consumer(lane_kind: str, run_dir: str, device: str, arena_info: bytes, iters
         us = sorted(x / 1000 for x in s[len(s) // 10:])
         out[key] = {"p50": statistics.median(us), "p99": us[min(len(us) - 1, int(0.99 * len(us)))]}
     results.put(out)
+
+
+def copy_out(variant: str, reader, arena, handle, out: torch.Tensor, graph_entry, samples: dict,
+             event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+    """One handoff's copy by `variant`, waited for by spinning on an event
+    (the plain variants reuse one), then the generation check."""
+    if variant == "read_async":
+        pending = reader.read_async(handle, out=out)
+        while not pending.done():
+            pass
+        reader.verify(handle)
+    elif variant == "copy_":
+        source = arena.data[handle.offset:handle.offset + handle.nbytes]
+        out.view(-1).view(torch.uint8).copy_(source, non_blocking=True)
+        event.record(stream)
+        while not event.query():
+            pass
+        reader.verify(handle)
+    elif variant == "steps":     # read_async's copier path inline, each step timed
+        copy_in_steps(reader, arena, handle, out, samples)
+    else:
+        start, graph, _ = graph_entry
+        start[0] = handle.offset // arena.info.block_bytes
+        graph.replay()
+        event.record(stream)
+        while not event.query():
+            pass
+        reader.verify(handle)
+
+
+def copy_in_steps(reader, arena, handle, out: torch.Tensor, samples: dict) -> None:
+    mib = handle.nbytes >> 20
+    marks = [time.perf_counter_ns()]
+    reader.verify(handle)
+    marks.append(time.perf_counter_ns())
+    copier = arena.copier
+    assert out.get_device() == copier.index and copier.accepts(handle.nbytes, out)
+    assert torch.cuda.current_device() == copier.index
+    marks.append(time.perf_counter_ns())
+    slot = copier._next
+    copier._next = slot + 1 if slot + 1 < copier._slots else 0
+    slot_event = copier._events[slot]
+    if copier._in_use[slot] and not slot_event.query():
+        slot_event.synchronize()
+    copier._in_use[slot] = True
+    marks.append(time.perf_counter_ns())
+    copier._rows[slot, :3] = (arena.base + handle.offset, out.data_ptr(), handle.nbytes // 8)
+    marks.append(time.perf_counter_ns())
+    copier._graphs[slot].replay()
+    marks.append(time.perf_counter_ns())
+    if not copier._recorded_in_graph:
+        slot_event.record()
+    marks.append(time.perf_counter_ns())
+    while not slot_event.query():
+        pass
+    marks.append(time.perf_counter_ns())
+    reader.verify(handle)
+    marks.append(time.perf_counter_ns())
+    for name, a, b in zip(STEPS, marks, marks[1:]):
+        samples.setdefault(f"steps/{mib}MiB/step:{name}", []).append(b - a)
 
 
 def _capture_graphs(data: torch.Tensor, block_bytes: int, outs: dict) -> dict:

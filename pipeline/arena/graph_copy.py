@@ -24,7 +24,9 @@ from pipeline.kernels import arena_copy
 
 
 class GraphCopier:
-    def __init__(self, device: torch.device, slots: int = 32) -> None:
+    # 64 rows: a burst of images handed over between two engine steps rarely
+    # finds its row's previous copy still queued.
+    def __init__(self, device: torch.device, slots: int = 64) -> None:
         self.device = device
         self.index = device.index
         self._slots = slots
@@ -72,9 +74,10 @@ class GraphCopier:
     def copy(self, src_address: int, dst_address: int, nbytes: int) -> torch.cuda.Event:
         """Queue the copy of `nbytes` (whole words) from `src_address` to
         `dst_address`, both device-readable and word-aligned (the caller
-        checked: see `accepts`), on the current stream of our device. Returns an event that completes once
-        the copy has (it is recorded again `slots` copies later, after it
-        completed: waiting on it is never too early)."""
+        checked: see `accepts`), on the current stream of our device.
+        Returns an event that completes once the copy has (it is recorded
+        again `slots` copies later, after it completed: waiting on it is
+        never too early, at worst later than needed)."""
         slot = self._next
         self._next = slot + 1 if slot + 1 < self._slots else 0
         event = self._events[slot]
