@@ -60,12 +60,16 @@ def make_socket(ctx: zmq.Context, kind: int, address: str, *, bind: bool) -> zmq
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
     sock.setsockopt(zmq.RCVHWM, RECV_HWM)
-    if bind:
-        if address.startswith("ipc://"):
-            Path(address[len("ipc://"):]).unlink(missing_ok=True)  # a stale file from a crash
-        sock.bind(address)
-    else:
-        sock.connect(address)
+    try:
+        if bind:
+            if address.startswith("ipc://"):
+                Path(address[len("ipc://"):]).unlink(missing_ok=True)  # a stale file from a crash
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except BaseException:
+        sock.close(linger=0)   # an open socket would keep the context from terminating
+        raise
     return sock
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -70,6 +71,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    ctx = zmq.asyncio.Context()
+    try:
+        # Bound before the model loads: a taken address fails in a second,
+        # in one line, with nothing made yet.
+        inbox = transport.Inbox(ctx, args.address)
+    except zmq.ZMQError as exc:
+        ctx.term()
+        raise ValueError(f"cannot bind {args.address}: {exc}") from None
+    outbox = transport.Outbox(ctx)
+    try:
+        with contextlib.ExitStack() as cleanup:
+            await _serve(args, inbox, outbox, cleanup)
+    finally:
+        inbox.close()
+        outbox.close()
+        ctx.term()
+
+
+async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: transport.Outbox,
+                 cleanup: contextlib.ExitStack) -> None:
+    """Everything made here is undone by `cleanup`, whatever fails: the
+    arena's shared memory above all."""
     device = resolve_device(args.device)
     if device.type == "cuda":
         # Kernels, graphs and Triton launch on the current device's streams:
@@ -82,27 +105,20 @@ async def serve(args: argparse.Namespace) -> None:
     media = create_backend(args.media_backend, device)
     arena_mib = args.arena_mib or (CUDA_ARENA_MIB if device.type == "cuda" else CPU_ARENA_MIB)
     store = ArenaStore(arena_mib << 20, args.block_kib << 10, device, args.instance, args.lease_timeout)
-    ctx = zmq.asyncio.Context()
-    inbox, outbox = transport.Inbox(ctx, args.address), transport.Outbox(ctx)
+    cleanup.callback(store.close)
     settings = EncoderSettings(args.instance, args.address, args.model_id or Path(model_dir).name,
                                args.max_batch_tokens)
-    with ThreadPoolExecutor(args.decode_threads, "decode") as decode_pool, \
-            ThreadPoolExecutor(1, "compute") as compute_pool:
-        service = EncoderService(settings, store, tower, media, image_config, outbox.try_send,
-                                 decode_pool, compute_pool,
-                                 stage_vision_forward(tower, device, args, image_config))
-        for address in args.announce_to:
-            service.handle_hello(address)
-        log.info("encoder %s ready on %s (device %s, media %s, arena %d MiB)", args.instance, args.address, device,
-                 media.name, arena_mib)
-        try:
-            await _until_stopped(service.run(), _receive(inbox, service))
-        finally:
-            service.lanes.close()
-            inbox.close()
-            outbox.close()
-            ctx.term()
-            store.close()
+    decode_pool = cleanup.enter_context(ThreadPoolExecutor(args.decode_threads, "decode"))
+    compute_pool = cleanup.enter_context(ThreadPoolExecutor(1, "compute"))
+    service = EncoderService(settings, store, tower, media, image_config, outbox.try_send,
+                             decode_pool, compute_pool,
+                             stage_vision_forward(tower, device, args, image_config))
+    cleanup.callback(service.lanes.close)
+    for address in args.announce_to:
+        service.handle_hello(address)
+    log.info("encoder %s ready on %s (device %s, media %s, arena %d MiB)", args.instance, args.address, device,
+             media.name, arena_mib)
+    await _until_stopped(service.run(), _receive(inbox, service))
 
 
 async def _receive(inbox: transport.Inbox, service: EncoderService) -> None:

@@ -209,13 +209,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     ctx = zmq.Context()
+    try:
+        # Bound before the model loads: a taken address fails in a second,
+        # in one line, with nothing made yet (no rings in /dev/shm).
+        inbox = transport.make_socket(ctx, zmq.PULL, args.address, bind=True)
+    except (zmq.ZMQError, ValueError) as exc:
+        print(f"stages.generator: error: cannot bind {args.address}: {exc}", file=sys.stderr)
+        ctx.term()
+        return 1
     outbox = transport.Outbox(ctx)
     try:
         service = build_service(args, outbox.try_send)
     except (ModelLoadError, ValueError, RuntimeError) as exc:
         print(f"stages.generator: error: {exc}", file=sys.stderr)
+        inbox.close()
+        outbox.close()
+        ctx.term()
         return 1
-    inbox = transport.make_socket(ctx, zmq.PULL, args.address, bind=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -107,3 +108,23 @@ def test_stages_refuse_bad_flags_in_one_line(program, args, fragment):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{program}: error: ") and fragment in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("program", ["stages.encoder", "stages.generator"])
+def test_a_taken_address_is_one_line_and_leaves_nothing(program):
+    """The inbox is bound before anything is loaded or made: a taken
+    address is one line, exit 1, and no shared memory left behind."""
+    from pipeline.arena.shm import our_segments
+
+    before = set(our_segments())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        result = subprocess.run([sys.executable, "-m", program, "--address", address, "--device", "cpu",
+                                 "--instance", f"taken-{os.getpid()}"],
+                                capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{program}: error: cannot bind {address}: "), result.stderr
+    assert set(our_segments()) == before

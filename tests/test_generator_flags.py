@@ -79,3 +79,4 @@ def test_auto_on_a_full_gpu_is_a_value_error_naming_the_flags(tiny_model, fake_h
     fake_h200["free"] = GIB   # all of it the reserve: no room for one step's KV
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
         kv_cache_bytes(parse_args(ADDRESS), tiny_model, torch.device("cuda", 0))
+
