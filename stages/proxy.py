@@ -79,10 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     transport.install_event_loop()
     try:
         app = build_app(args)
+    except zmq.ZMQError as exc:
+        print(f"stages.proxy: error: cannot bind its inbox: {exc}", file=sys.stderr)
+        return 1
     except (ModelLoadError, ValueError, FileNotFoundError) as exc:
         print(f"stages.proxy: error: {exc}", file=sys.stderr)
         return 1
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    except OSError as exc:   # the HTTP port is taken (or not ours to bind)
+        print(f"stages.proxy: error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +129,22 @@ def test_a_taken_address_is_one_line_and_leaves_nothing(program):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{program}: error: cannot bind {address}: "), result.stderr
     assert set(our_segments()) == before
+
+
+@pytest.mark.parametrize("taken_flag", ["--address", "--port"])
+def test_the_proxy_on_a_taken_address_or_port_is_one_line(taken_flag):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        free = {"--address": ["--address", f"tcp://127.0.0.1:{port}", "--port", "1"],
+                "--port": ["--address", f"ipc:///tmp/epd-test-proxy-{os.getpid()}.sock", "--host", "127.0.0.1",
+                           "--port", str(port)]}[taken_flag]
+        result = subprocess.run([sys.executable, "-m", "stages.proxy", *free, "--mode", "aggregated",
+                                 "--generators", "ipc:///tmp/nowhere.sock"],
+                                capture_output=True, text=True, timeout=60, cwd=REPO)
+    Path(f"/tmp/epd-test-proxy-{os.getpid()}.sock").unlink(missing_ok=True)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("stages.proxy: error: cannot "), result.stderr
+    assert str(port) in lines[0]
