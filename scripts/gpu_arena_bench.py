@@ -19,6 +19,8 @@ The per-tensor baseline sends each tensor through a torch.multiprocessing
 queue (PyTorch's CUDA IPC): its handoff runs from the put (after clone and
 synchronise) to the consumer's synchronised copy, its total from before the
 clone. Both paths run in this one invocation; the printed ratios compare them.
+The arena path's sizes take turns, after `--warmup` untimed handoffs each;
+the per-tensor path drops its first 10%.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def percentiles(samples_ns: list[int]) -> dict[str, float]:
 
 # ------------------------------------------------------------- arena path
 
-def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: int) -> None:
+def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: int, warmup: int) -> None:
     from pipeline.arena.store import ArenaStore
     from pipeline.encoder.ring_lanes import RingLanes
 
@@ -74,12 +76,14 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
     lanes.on_hello(protocol.decode(inbox.recv()))     # the consumer's Hello: its ring, if any
     out.send(protocol.encode(protocol.EncoderAnnounce("bench", address, "bench", store.info, {"image": WIDTH})))
     try:
-        for mib in sizes:
-            rows = rows_for(mib)
-            sources = [seeded(seed, rows, "cuda:0") for seed in range(checks)]
-            source = sources[0]
-            for i in range(checks + iters):
-                src = sources[i] if i < checks else source
+        sources = {mib: [seeded(seed, rows_for(mib), "cuda:0") for seed in range(checks)] for mib in sizes}
+        # Checked handoffs, then untimed warm-up ones, then timed ones; the
+        # sizes take turns, so no size gets a colder host or GPU than another.
+        for i in range(checks + warmup + iters):
+            phase = "check" if i < checks else "warm" if i < checks + warmup else "timed"
+            for mib in sizes:
+                rows = rows_for(mib)
+                src = sources[mib][i if i < checks else 0]
                 t0 = time.perf_counter_ns()
                 entry = store.reserve(f"{mib}-{i}", (rows, WIDTH), torch.bfloat16)
                 store.write(entry, src)
@@ -87,7 +91,7 @@ def producer(address: str, consumer: str, sizes: list[int], iters: int, checks: 
                 store.index.mark_ready(entry.content_hash)
                 lease = store.index.lease(entry.content_hash, consumer, "r")
                 t_stored = time.perf_counter_ns()
-                ready = protocol.EmbeddingReady(f"{mib}:{i}:{t0}:{t_stored}", "r", entry.content_hash,
+                ready = protocol.EmbeddingReady(f"{mib}:{i}:{t0}:{t_stored}:{phase}", "r", entry.content_hash,
                                                 store.handle(entry), lease.lease_id, "bench")
                 if not lanes.deliver(consumer, ready):    # what the encoder does
                     out.send(protocol.encode(ready))
@@ -146,7 +150,7 @@ class ReadyInbox:
 def summarise(samples: dict[str, list[int]], result: dict) -> None:
     for key, s in samples.items():
         mib, part = key.split("/")
-        stats = percentiles(s[len(s) // 10:])  # first 10%: warm-up
+        stats = percentiles(s)   # warmed up already (--warmup)
         if part in ("total", "handoff"):
             result["sizes"].setdefault(mib, {})[part] = stats
         else:
@@ -194,11 +198,11 @@ def consumer(address: str, producer_address: str, device: str, checks: int, spin
         got = pending.tensor
         t1 = time.perf_counter_ns()
         out.send(protocol.encode(protocol.ReleaseLease((message.lease_id,), "consumer")))
-        mib, i, t0, t_stored = message.job_id.split(":")
-        if int(i) < checks:
+        mib, i, t0, t_stored, phase = message.job_id.split(":")
+        if phase == "check":
             if not torch.equal(got, seeded(int(i), got.shape[0], device)):
                 result["mismatches"] += 1
-        else:
+        elif phase == "timed":
             t0, t_stored = int(t0), int(t_stored)
             for part, value in (("total", t1 - t0), ("handoff", t1 - t_stored), ("store", t_stored - t0),
                                 ("message", t_recv - t_stored), ("read", t1 - t_recv),
@@ -267,7 +271,7 @@ def run_torch_ipc(sizes: list[int], iters: int, device: str) -> dict:
 # ------------------------------------------------------------------- main
 
 def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool, peer_context: bool,
-              lane: str) -> dict:
+              lane: str, warmup: int) -> dict:
     run_dir = Path(f"/tmp/epd-bench-{os.getpid()}")
     run_dir.mkdir(exist_ok=True)
     p_addr, c_addr = f"ipc://{run_dir}/p.sock", f"ipc://{run_dir}/c.sock"
@@ -277,7 +281,7 @@ def run_arena(sizes: list[int], iters: int, device: str, checks: int, spin: bool
                        args=(c_addr, p_addr, device, checks, spin, peer_context, lane, results))
     cons.start()
     time.sleep(1.0)  # the consumer binds first
-    prod = ctx.Process(target=producer, args=(p_addr, c_addr, sizes, iters, checks))
+    prod = ctx.Process(target=producer, args=(p_addr, c_addr, sizes, iters, checks, warmup))
     prod.start()
     out = result_or_raise(results, [prod, cons])
     prod.join(timeout=60)
@@ -297,6 +301,7 @@ def main() -> int:
     parser.add_argument("--sizes-mib", default="2,8")
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--checks", type=int, default=16, help="handoffs checked for equality per size")
+    parser.add_argument("--warmup", type=int, default=200, help="untimed handoffs per size before the timed ones")
     parser.add_argument("--spin", action="store_true",
                         help="consumer busy-polls (a busy generator); default: it blocks on its socket when idle")
     parser.add_argument("--lane", choices=("ring", "zmq"), default="ring",
@@ -307,7 +312,8 @@ def main() -> int:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_mib.split(",")]
     device = f"cuda:{args.consumer_device}"
-    arena = run_arena(sizes, args.iters, device, args.checks, args.spin, args.map_on_producer_gpu, args.lane)
+    arena = run_arena(sizes, args.iters, device, args.checks, args.spin, args.map_on_producer_gpu, args.lane,
+                      args.warmup)
     baseline = run_torch_ipc(sizes, max(200, args.iters // 4), device)
     report = {"device": torch.cuda.get_device_name(0), "consumer": device, "spin": args.spin, "lane": args.lane,
               "mapped_on_producer_gpu": args.map_on_producer_gpu, "arena": arena, "torch_ipc": baseline}
