@@ -39,7 +39,7 @@ from pipeline.arena import ring  # noqa: E402
 WIDTH = 2048
 SIZES = (2, 8)
 VARIANTS = ("read_async", "copy_", "graph", "steps")
-STEPS = ("verify_before", "checks", "slot", "descriptor", "replay", "record", "wait", "verify_after")
+STEPS = ("verify_before", "checks", "slot", "descriptor", "launch", "wait", "verify_after")
 
 
 def rows_for(mib: int) -> int:
@@ -220,19 +220,11 @@ def copy_in_steps(reader, arena, handle, out: torch.Tensor, samples: dict) -> No
     assert out.get_device() == copier.index and copier.accepts(handle.nbytes, out)
     assert torch.cuda.current_device() == copier.index
     marks.append(time.perf_counter_ns())
-    slot = copier._next
-    copier._next = slot + 1 if slot + 1 < copier._slots else 0
-    slot_event = copier._events[slot]
-    if copier._in_use[slot] and not slot_event.query():
-        slot_event.synchronize()
-    copier._in_use[slot] = True
+    slot = copier.take_row()
     marks.append(time.perf_counter_ns())
-    copier._rows[slot, :3] = (arena.base + handle.offset, out.data_ptr(), handle.nbytes // 8)
+    copier.describe(slot, arena.base + handle.offset, out.data_ptr(), handle.nbytes)
     marks.append(time.perf_counter_ns())
-    copier._graphs[slot].replay()
-    marks.append(time.perf_counter_ns())
-    if not copier._recorded_in_graph:
-        slot_event.record()
+    slot_event = copier.launch(slot)     # the replay (the graph records the event)
     marks.append(time.perf_counter_ns())
     while not slot_event.query():
         pass

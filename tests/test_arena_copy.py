@@ -43,3 +43,20 @@ def test_copy_by_descriptor_keeps_bf16_bits():
     arena_copy.copy_by_descriptor(descriptor(embedding.view(-1).view(torch.int64), 0, out,
                                              embedding.numel() * 2 // arena_copy.WORD), 2)
     assert torch.equal(out, embedding)
+
+
+def test_a_row_described_by_the_graph_copier_drives_the_kernel():
+    """GraphCopier.describe writes the row layout the kernel reads (its CUDA
+    graphs themselves only run on the GPU box)."""
+    from pipeline.arena.graph_copy import GraphCopier
+
+    copier = object.__new__(GraphCopier)      # the row table alone, no CUDA
+    table = torch.zeros(3, arena_copy.DESCRIPTOR_FIELDS, dtype=torch.int64)
+    copier._cells = memoryview(table.numpy().reshape(-1))
+    arena = torch.arange(40, dtype=torch.int64)
+    out = torch.zeros(6, dtype=torch.int64)
+    copier.describe(2, arena.data_ptr() + 9 * arena_copy.WORD, out.data_ptr(), 6 * arena_copy.WORD)
+    assert table[:2].eq(0).all()                      # other rows untouched
+    arena_copy.copy_by_descriptor(table[2], 2)
+    assert torch.equal(out, arena[9:15])
+    assert GraphCopier.accepts(48, out) and not GraphCopier.accepts(44, out) and not GraphCopier.accepts(8, out[::2])

@@ -30,8 +30,6 @@ import socket
 import threading
 import time
 
-import numpy as np
-
 from pipeline.arena.shm import ShmSegment, remove_stale_segments, segment_name
 
 _HEADER = 256
@@ -71,23 +69,25 @@ def ring_bytes(slots: int, slot_bytes: int) -> int:
 class _Ring:
     def __init__(self, segment: ShmSegment) -> None:
         self.segment = segment
-        self._header = np.frombuffer(segment.mmap, dtype=np.int64, count=_HEADER // 8)
         self._view = memoryview(segment.mmap)
-        self.slots, self.slot_bytes = int(self._header[_SLOTS]), int(self._header[_SLOT_BYTES])
-        if int(self._header[_MAGIC]) != MAGIC or segment.nbytes < ring_bytes(self.slots, self.slot_bytes):
+        # The header as int64 cells: a memoryview reads and writes one cell
+        # in a third of numpy's time, and each is one aligned 8-byte access.
+        self._header = self._view[:_HEADER].cast("q")
+        self.slots, self.slot_bytes = self._header[_SLOTS], self._header[_SLOT_BYTES]
+        if self._header[_MAGIC] != MAGIC or segment.nbytes < ring_bytes(self.slots, self.slot_bytes):
             self.close()
             raise ValueError(f"{segment.name} is not a message ring")
 
     @property
     def written(self) -> int:
         """Messages ever written into this ring."""
-        return int(self._header[_WRITTEN])
+        return self._header[_WRITTEN]
 
     def _slot(self, seq: int) -> int:
         return _HEADER + (seq % self.slots) * self.slot_bytes
 
     def close(self) -> None:
-        self._header = None
+        self._header.release()
         self._view.release()
         self.segment.close()
 
@@ -105,9 +105,9 @@ class Producer(_Ring):
         return self.slot_bytes - _LENGTH
 
     def push(self, message: bytes) -> bool:
-        written = int(self._header[_WRITTEN])
-        if (len(message) > self.max_message or written - int(self._header[_READ]) >= self.slots
-                or time.monotonic_ns() - int(self._header[_ALIVE]) > self.stale_ns):
+        written = self._header[_WRITTEN]
+        if (len(message) > self.max_message or written - self._header[_READ] >= self.slots
+                or time.monotonic_ns() - self._header[_ALIVE] > self.stale_ns):
             return False
         start = self._slot(written)
         self._view[start:start + _LENGTH] = len(message).to_bytes(_LENGTH, "little")
@@ -126,14 +126,14 @@ class Consumer(_Ring):
     """The reading end; it owns the read count and the liveness stamp."""
 
     def pending(self) -> int:
-        return int(self._header[_WRITTEN]) - int(self._header[_READ])
+        return self._header[_WRITTEN] - self._header[_READ]
 
     def pop(self) -> list[bytes]:
         """Every message written since the last pop, oldest first. Popping is
         what keeps the ring alive for producers: call it at least every
         `stale_s` while messages are wanted here."""
         self._header[_ALIVE] = time.monotonic_ns()
-        written, read = int(self._header[_WRITTEN]), int(self._header[_READ])
+        written, read = self._header[_WRITTEN], self._header[_READ]
         out = []
         for seq in range(read, written):
             start = self._slot(seq)
@@ -165,10 +165,9 @@ def create(name: str, slots: int = 256, slot_bytes: int = 1024) -> Consumer:
     if slots < 1 or slot_bytes <= _LENGTH or slot_bytes % 8:
         raise ValueError(f"bad ring geometry: {slots} slots of {slot_bytes} bytes")
     segment = ShmSegment.create(name, ring_bytes(slots, slot_bytes))
-    header = np.frombuffer(segment.mmap, dtype=np.int64, count=_HEADER // 8)
-    header[_SLOTS], header[_SLOT_BYTES], header[_ALIVE] = slots, slot_bytes, time.monotonic_ns()
-    header[_MAGIC] = MAGIC     # last: a producer that sees it sees the geometry
-    del header
+    with memoryview(segment.mmap) as view, view[:_HEADER].cast("q") as header:
+        header[_SLOTS], header[_SLOT_BYTES], header[_ALIVE] = slots, slot_bytes, time.monotonic_ns()
+        header[_MAGIC] = MAGIC     # last: a producer that sees it sees the geometry
     return Consumer(segment)
 
 
