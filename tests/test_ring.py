@@ -86,6 +86,15 @@ def test_attach_refuses_what_is_not_a_ring():
             ring.attach(plain.name)
     finally:
         plain.close()
+    tiny = ShmSegment.create(segment_name("test-ring", "tiny"), 10)
+    try:
+        with pytest.raises(ValueError, match="not a message ring"):
+            ring.attach(tiny.name)
+    finally:
+        tiny.close()
+    for name in ("../../etc/passwd", "epd-x-1-ring0/../../y", "not-ours"):
+        with pytest.raises(ValueError, match="not a shared-memory segment name"):
+            ring.attach(name)
     with pytest.raises(ValueError, match="geometry"):
         ring.create(segment_name("test-ring", "ring8"), slots=4, slot_bytes=12)
 

@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 
-from pipeline.arena.shm import ShmSegment, remove_stale_segments, segment_name
+from pipeline.arena.shm import ShmSegment, is_segment_name, remove_stale_segments, segment_name
 
 _HEADER = 256
 # int64 indices into the header, one 64-byte line per writer's field group.
@@ -68,6 +68,9 @@ def ring_bytes(slots: int, slot_bytes: int) -> int:
 
 class _Ring:
     def __init__(self, segment: ShmSegment) -> None:
+        if segment.nbytes < _HEADER:
+            segment.close()
+            raise ValueError(f"{segment.name} is not a message ring")
         self.segment = segment
         self._view = memoryview(segment.mmap)
         # The header as int64 cells: a memoryview reads and writes one cell
@@ -173,7 +176,9 @@ def create(name: str, slots: int = 256, slot_bytes: int = 1024) -> Consumer:
 
 def attach(name: str, stale_s: float = 0.5) -> Producer:
     """Open a consumer's ring by name (FileNotFoundError: not on this host,
-    or gone; ValueError: not a ring)."""
+    or gone; ValueError: not a ring, or not a name of ours)."""
+    if not is_segment_name(name):
+        raise ValueError(f"{name!r} is not a shared-memory segment name of ours")
     return Producer(ShmSegment.open(name), stale_s)
 
 

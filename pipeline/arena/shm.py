@@ -20,6 +20,11 @@ PREFIX = "epd-"
 _NAME = re.compile(r"^epd-(?P<instance>[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*)-(?P<pid>\d+)-(?P<role>[a-z][a-z0-9]*)$")
 
 
+def is_segment_name(name: str) -> bool:
+    """Whether `name` is one of ours (and so a plain file name in /dev/shm)."""
+    return _NAME.match(name) is not None
+
+
 def segment_name(instance: str, role: str, pid: int | None = None) -> str:
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", instance) or not re.fullmatch(r"[a-z][a-z0-9]*", role):
         raise ValueError(f"bad segment name parts: instance={instance!r} role={role!r}")

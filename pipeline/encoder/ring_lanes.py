@@ -36,7 +36,7 @@ class RingLanes:
             return
         try:
             self._rings[hello.reply_to] = ring.attach(hello.ring, self.stale_s)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:   # a peer's bad Hello must not stop the encoder's loop
             log.warning("consumer %s: ring %s not usable (%s); using its socket", hello.reply_to, hello.ring, exc)
 
     def deliver(self, address: str, message: protocol.Message) -> bool:
