@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import msgspec
 import pytest
 import torch
 
@@ -171,3 +172,17 @@ def test_segment_names_parse_back():
     seg = ShmSegment.create(segment_name("test-parse", "gen"), 4096)
     assert ShmSegment.open(seg.name).nbytes == 4096
     seg.close()
+
+
+def test_reader_opens_only_segments_named_like_ours(store):
+    """An announcement is input from another process: no path in it reaches
+    os.open."""
+    reader = ArenaReader()
+    for field in ("generations_name", "data_name"):
+        bad = msgspec.structs.replace(store.info, **{field: "../../etc/passwd"})
+        with pytest.raises(ValueError, match="not a shared-memory segment name"):
+            reader.open(bad)
+    assert not reader.is_open(store.info.arena_id)
+    reader.open(store.info)
+    assert reader.is_open(store.info.arena_id)
+    reader.close()

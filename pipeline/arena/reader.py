@@ -15,7 +15,7 @@ import torch
 
 from pipeline.arena import cuda_ipc
 from pipeline.arena.dtypes import dtype_from_name
-from pipeline.arena.shm import ShmSegment
+from pipeline.arena.shm import ShmSegment, is_segment_name
 from pipeline.protocol import ArenaHandle, ArenaInfo
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,9 @@ class ArenaReader:
         """Map an arena (no-op if already open)."""
         if info.arena_id in self._arenas:
             return
+        for name in [info.generations_name] + ([info.data_name] if info.kind == "shm" else []):
+            if not is_segment_name(name):
+                raise ValueError(f"arena {info.arena_id}: {name!r} is not a shared-memory segment name of ours")
         gen_shm = ShmSegment.open(info.generations_name)
         segments = [gen_shm]
         if info.kind == "cuda":

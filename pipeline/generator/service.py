@@ -194,8 +194,12 @@ class GeneratorService:
             previous = self.encoder_arenas.get(message.encoder_id)
             if previous is not None and previous != message.arena.arena_id:
                 self.reader.close_arena(previous)  # the encoder restarted: its old arena is gone
+            try:
+                self.reader.open(message.arena)
+            except Exception as exc:   # a bad announcement must not stop this generator
+                log.warning("cannot open the arena that encoder %s announced: %s", message.encoder_id, exc)
+                return
             self.encoder_arenas[message.encoder_id] = message.arena.arena_id
-            self.reader.open(message.arena)
             pending, self.waiting_for_arena = self.waiting_for_arena, []
             for ready in pending:
                 self._on_embedding(ready)
