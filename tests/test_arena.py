@@ -186,3 +186,19 @@ def test_reader_opens_only_segments_named_like_ours(store):
     reader.open(store.info)
     assert reader.is_open(store.info.arena_id)
     reader.close()
+
+
+def test_handles_whose_shape_and_size_disagree_or_leave_the_arena_are_refused(store):
+    reader = ArenaReader()
+    reader.open(store.info)
+    entry = store.reserve("h", (4, 8), torch.float32)
+    store.write(entry, torch.ones(4, 8))
+    handle = store.handle(entry)
+    assert torch.equal(reader.read(handle), torch.ones(4, 8))
+    for bad, message in ((msgspec.structs.replace(handle, shape=(100000, 8)), "does not make 128 bytes"),
+                         (msgspec.structs.replace(handle, shape=(-4, -8)), "does not make"),
+                         (msgspec.structs.replace(handle, offset=store.info.capacity - 64), "outside arena"),
+                         (msgspec.structs.replace(handle, offset=-1024), "outside arena")):
+        with pytest.raises(ValueError, match=message):
+            reader.read_async(bad)
+    reader.close()

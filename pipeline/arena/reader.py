@@ -8,6 +8,7 @@ lapsed) and StaleHandleError says so.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 from dataclasses import dataclass
 
@@ -136,11 +137,13 @@ class ArenaReader:
             raise ValueError(f"handle [{offset}, +{nbytes}) is outside arena {handle.arena_id} "
                              f"of {arena.info.capacity} bytes")
         self.verify(handle)     # fail early on a lapsed lease; verify() after the copy is the proof
+        dtype = dtype_from_name(handle.dtype)
+        if math.prod(handle.shape) * dtype.itemsize != nbytes or min(handle.shape, default=0) < 0:
+            raise ValueError(f"handle shape {handle.shape} of {handle.dtype} does not make {nbytes} bytes")
         if out is None:
-            out = torch.empty(handle.shape, dtype=dtype_from_name(handle.dtype),
-                              device=device if device is not None else arena.data.device)
+            out = torch.empty(handle.shape, dtype=dtype, device=device if device is not None else arena.data.device)
             ours = True
-        elif tuple(out.shape) != tuple(handle.shape) or out.dtype != dtype_from_name(handle.dtype):
+        elif tuple(out.shape) != tuple(handle.shape) or out.dtype != dtype:
             raise ValueError(f"output {tuple(out.shape)} {out.dtype} does not fit handle "
                              f"{handle.shape} {handle.dtype}")
         else:
