@@ -11,6 +11,7 @@ contiguous cache, so both give the same numbers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ class SequenceSlice:
     offset: int
     query_len: int
     context_len: int
-    block_table: tuple[int, ...]
+    block_table: Sequence[int]     # the request's BlockTable.view(): an int64 array
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from pipeline.engine.block_table import BlockTable
+
 
 def _check_int(name: str, value: object, minimum: int) -> None:
     # bool is an int subclass; a True max_tokens is a caller bug, not 1.
@@ -113,7 +115,7 @@ class Request:
     # Mutated by the scheduler.
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0      # tokens whose KV is in the cache
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: BlockTable = field(default_factory=BlockTable)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

@@ -58,7 +58,7 @@ class ModelRunner:
             request = requests[chunk.request_id]
             ids += request.token_ids_between(chunk.start, chunk.end)
             positions.add(geometry[chunk.request_id], chunk, request.num_prompt_tokens)
-            slices.append(SequenceSlice(offset, chunk.num_tokens, chunk.start, tuple(request.block_ids)))
+            slices.append(SequenceSlice(offset, chunk.num_tokens, chunk.start, request.block_ids.view()))
             for span in chunk.image_spans_in_chunk:
                 lo, hi = max(chunk.start, span.start), min(chunk.end, span.end)
                 splices.append((offset + lo - chunk.start, span.key, lo - span.start, hi - lo))
@@ -86,7 +86,7 @@ class ModelRunner:
         positions = self.model.decode_step_positions([c.start for c in chunks],
                                                      [geometry[c.request_id].delta for c in chunks])
         return self.decode.run([r.token_ids_between(c.start, c.end)[0] for r, c in zip(reqs, chunks)], positions,
-                               [r.block_ids for r in reqs], [c.start for c in chunks])
+                               [r.block_ids.view() for r in reqs], [c.start for c in chunks])
 
 
 class _StepPositions:

@@ -280,8 +280,8 @@ class Scheduler:
 
     def _free_blocks(self, request: Request) -> None:
         if request.block_ids:
-            self.block_pool.free(request.block_ids)
-            request.block_ids = []
+            self.block_pool.free(request.block_ids.tolist())
+            request.block_ids.clear()
 
     # ---------------------------------------------------------------- update
 
