@@ -80,18 +80,13 @@ def test_sleep_handshake(pair):
 def test_attach_refuses_what_is_not_a_ring():
     with pytest.raises(FileNotFoundError):
         ring.attach(segment_name("test-ring", "ring9"))
-    plain = ShmSegment.create(segment_name("test-ring", "plain"), 4096)
-    try:
-        with pytest.raises(ValueError, match="not a message ring"):
-            ring.attach(plain.name)
-    finally:
-        plain.close()
-    tiny = ShmSegment.create(segment_name("test-ring", "tiny"), 10)
-    try:
-        with pytest.raises(ValueError, match="not a message ring"):
-            ring.attach(tiny.name)
-    finally:
-        tiny.close()
+    for role, size in (("plain", 4096), ("tiny", 10)):    # no ring header, or too small for one
+        segment = ShmSegment.create(segment_name("test-ring", role), size)
+        try:
+            with pytest.raises(ValueError, match="not a message ring"):
+                ring.attach(segment.name)
+        finally:
+            segment.close()
     for name in ("../../etc/passwd", "epd-x-1-ring0/../../y", "not-ours"):
         with pytest.raises(ValueError, match="not a shared-memory segment name"):
             ring.attach(name)
