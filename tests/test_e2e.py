@@ -217,6 +217,36 @@ def test_requests_keep_succeeding_while_a_generator_is_stopped(epd):
     epd.wait_healthy()
 
 
+def test_a_bogus_arena_announcement_harms_no_generator(epd):
+    """An announcement is input from another process: one naming a path, or
+    a segment that is not there, is logged and skipped, and every generator
+    keeps serving."""
+    import zmq
+
+    from pipeline import protocol
+    from pipeline.arena.shm import segment_name
+
+    bogus = [protocol.ArenaInfo("intruder-1", "shm", 1 << 20, 1 << 16, "../../etc/passwd", "x"),
+             protocol.ArenaInfo("intruder-2", "shm", 1 << 20, 1 << 16, segment_name("nobody", "gen", pid=1),
+                                segment_name("nobody", "data", pid=1))]
+    ctx = zmq.Context()
+    try:
+        for i in range(3):
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(f"ipc://{epd.run_dir}/gen{i}.sock")
+            for info in bogus:
+                sock.send(protocol.encode(protocol.EncoderAnnounce("intruder", "ipc:///nowhere", "tiny", info,
+                                                                   {"image": 64})))
+            sock.close(linger=2000)
+    finally:
+        ctx.term()
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda i: chat(epd, IMAGES[1], f"after the intruder {i}", max_tokens=4,
+                                               ignore_eos=True), range(6)))
+    assert all(usage.completion_tokens == 4 for _, _, usage in results)
+    assert epd.logs().count("cannot open the arena that encoder intruder announced") >= 2
+
+
 def rings_of(instance: str) -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob(f"epd-{instance}-*-ring*"))
 
