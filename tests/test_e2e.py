@@ -259,10 +259,13 @@ def test_embeddings_reach_generators_through_rings_and_a_killed_generators_ring_
         time.sleep(1.5)  # stats are polled
         return epd.total("epd_encoder_handoffs_total", lane="ring")
 
-    before = ring_handoffs()
+    before, wakes = ring_handoffs(), epd.total("epd_encoder_ring_wakes_total")
     for i in range(6):   # the proxy spreads these over the generators
         chat(epd, [image_bytes(random_image(90, 60 + i, seed=900 + i))], f"ring {i}", max_tokens=2)
     assert ring_handoffs() - before >= 6
+    # A generator waiting only on an image blocks on its socket with its ring's
+    # flag raised; the encoder saw the flag and woke it by socket.
+    assert epd.total("epd_encoder_ring_wakes_total") > wakes
     instance = epd.generator_instances[2]
     (old,) = rings_of(instance)
     epd.stop_stage("gen2", signal.SIGKILL)

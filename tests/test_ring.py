@@ -155,7 +155,7 @@ def test_ring_lanes_deliver_wake_and_detach():
         assert [protocol.decode(m) for m in consumer.pop()] == [ready]
         assert consumer.may_sleep()
         assert lanes.deliver("ipc://gen", ready)
-        assert sent == [("ipc://gen", protocol.Wake("enc-0"))]
+        assert sent == [("ipc://gen", protocol.Wake("enc-0"))] and lanes.wakes == 1
         lanes.on_hello(protocol.Hello("gen", "ipc://gen"))                # restarted without a ring
         assert not lanes.deliver("ipc://gen", ready)
     finally:

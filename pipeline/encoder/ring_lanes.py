@@ -25,6 +25,7 @@ class RingLanes:
         self.stale_s = stale_s
         self.host = ring.host_id() if ring.supported() else None
         self._rings: dict[str, ring.Producer] = {}   # consumer address -> its ring
+        self.wakes = 0     # socket wake-ups sent to consumers blocked on their sockets
 
     def on_hello(self, hello: protocol.Hello) -> None:
         """(Re)attach the consumer's ring; a Hello without one (another host,
@@ -46,6 +47,7 @@ class RingLanes:
             return False
         if lane.consumer_sleeping():
             self.send(address, protocol.Wake(self.sender))
+            self.wakes += 1
         return True
 
     def close(self) -> None:

@@ -102,7 +102,8 @@ class EncoderService:
         gauges = {"arena_bytes_used": float(index.bytes_used), "arena_leases": float(index.lease_count),
                   "arena_entries": float(len(index.entries)), "arena_capacity": float(self.store.info.capacity),
                   "in_flight": float(len(self.flight))}
-        counters = dict(self.counters, forwards=self.forwards, evictions=index.evictions)
+        counters = dict(self.counters, forwards=self.forwards, evictions=index.evictions,
+                        ring_wakes=self.lanes.wakes)
         totals = self.busy_totals + self.busy   # the open window's share too
         for phase in ("decode", "forward"):
             counters[f"busy_us.{phase}"] = int(totals[f"{phase}_s"] * 1e6)

@@ -26,7 +26,8 @@ class ProxyMetrics:
 
 
 # Which StageStats entries become which series.
-_STAGE_COUNTERS = {"epd_yields": ("generator", "yields"), "epd_preemptions": ("generator", "preemptions")}
+_STAGE_COUNTERS = {"epd_yields": ("generator", "yields"), "epd_preemptions": ("generator", "preemptions"),
+                   "epd_encoder_ring_wakes": ("encoder", "ring_wakes")}
 _STAGE_GAUGES = {
     "epd_arena_bytes_used": ("encoder", "arena_bytes_used"),
     "epd_arena_leases": ("encoder", "arena_leases"),
