@@ -80,17 +80,21 @@ class ArenaReader:
         for name in [info.generations_name] + ([info.data_name] if info.kind == "shm" else []):
             if not is_segment_name(name):
                 raise ValueError(f"arena {info.arena_id}: {name!r} is not a shared-memory segment name of ours")
+        if info.kind not in ("cuda", "shm"):
+            raise ValueError(f"unknown arena kind {info.kind!r}")
         gen_shm = ShmSegment.open(info.generations_name)
         segments = [gen_shm]
-        if info.kind == "cuda":
-            data = cuda_ipc.open_export(info.cuda_handle, self.device)
-        elif info.kind == "shm":
-            data_shm = ShmSegment.open(info.data_name)
-            segments.append(data_shm)
-            data = torch.frombuffer(data_shm.mmap, dtype=torch.uint8)
-        else:
-            gen_shm.close()
-            raise ValueError(f"unknown arena kind {info.kind!r}")
+        try:
+            if info.kind == "cuda":
+                data = cuda_ipc.open_export(info.cuda_handle, self.device)
+            else:
+                segments.append(ShmSegment.open(info.data_name))
+                data = torch.frombuffer(segments[1].mmap, dtype=torch.uint8)
+        except BaseException:
+            # A generator survives an arena it cannot open: leave no mapping behind.
+            for segment in segments:
+                segment.close()
+            raise
         copier = self._copier_for(data.device) if info.kind == "cuda" else None
         self._arenas[info.arena_id] = _Opened(info, data, gen_shm.mmap, segments, copier, data.data_ptr())
 

@@ -70,6 +70,7 @@ class GeneratorService:
         # Same-host encoders put EmbeddingReady here rather than on the socket
         # (pipeline/arena/ring.py): encoder address -> the ring it writes.
         self.rings = rings or {}
+        self._host = ring.host_id() if self.rings else ""
         self.reader = ArenaReader(device)
         self.tracked: dict[str, _Tracked] = {}
         self.key_source: dict[str, str] = {}     # image key -> encoder address that delivered it
@@ -135,7 +136,7 @@ class GeneratorService:
     def _hello(self, address: str) -> None:
         lane = self.rings.get(address)
         self.send(address, protocol.Hello(self.address, self.address, lane.segment.name if lane else "",
-                                          ring.host_id() if lane else ""))
+                                          self._host if lane else ""))
 
     def _drain_rings(self) -> None:
         for lane in self.rings.values():
