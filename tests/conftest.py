@@ -106,3 +106,15 @@ def image_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
     image.save(buf, format=fmt)
     return buf.getvalue()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used a running stack shows the stages' log tail:
+    on CI that is the only record of what the processes saw."""
+    report = yield
+    if report.failed and call.when == "call":
+        for name, value in getattr(item, "funcargs", {}).items():
+            if hasattr(value, "logs") and hasattr(value, "run_dir"):
+                report.sections.append((f"stage logs of {name} (tail)", value.logs()))
+    return report

@@ -72,15 +72,20 @@ class Proxy:
             raise TimeoutError("no message")
         return protocol.decode(self.inbox.recv())
 
-    def request(self, rid, text, images, generator="gen", send_jobs=True, max_tokens=MAX_TOKENS):
+    def request(self, rid, text, images, generator="gen", send_jobs=True, max_tokens=MAX_TOKENS,
+                send_request=True):
         decoded = [open_image(b, self.processor.image_config) for b in images]
         messages = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]}]
         prompt = self.processor.chat_prompt(messages, [(im.height, im.width) for im in decoded])
         keys = [content_hash(b, self.salt) for b in images]
         if generator == "gen" and send_jobs:
             for i, (b, (_, length)) in enumerate(zip(images, prompt.image_spans)):
+                if send_jobs is not True and i not in send_jobs:    # only the images listed
+                    continue
                 self.out.send(self.addr["enc"], protocol.EncodeJob(f"{rid}-{i}", rid, keys[i], b, self.addr["gen"],
                                                                    length, self.addr["me"]))
+        if not send_request:
+            return prompt, decoded
         sampling = protocol.Sampling(max_tokens=max_tokens, ignore_eos=True)
         self.out.send(self.addr[generator], protocol.GenerateRequest(
             rid, tuple(prompt.token_ids), tuple(prompt.image_spans), tuple(keys), tuple(prompt.grids), sampling,
@@ -176,6 +181,39 @@ def test_epd_and_aggregated_generators_match_offline_generation(stages, tiny_dir
         time.sleep(1.0)
         agg = proxy.stats("agg")
         assert agg.gauges["kv_blocks_used"] == 0 and agg.gauges["running"] == 0
+    except Exception:
+        print(log_path.read_text()[-4000:])
+        raise
+    finally:
+        proxy.close()
+
+
+def test_an_embedding_that_overtakes_its_request_is_kept_for_it(stages, tiny_dir):
+    """A ring delivers EmbeddingReady faster than the proxy's socket delivers
+    the request it is for. Here it arrives while another request holds the
+    same image in the cache, and that one ends before the late request comes:
+    the late request must still find its embedding, not wait for a second."""
+    addr, procs, log_path = stages
+    proxy = Proxy(addr, tiny_dir)
+    try:
+        wait_ready(proxy, ["enc", "gen"])
+        image, never = image_bytes(random_image(72, 96, seed=31), "PNG"), image_bytes(random_image(64, 64, seed=32))
+        # The holder needs both; the first never comes, so its prefill stops
+        # there and the second stays in the cache, needed.
+        proxy.request("holder", "Hold it.", [never, image], send_jobs=(1,))
+        time.sleep(1.0)
+        proxy.request("late", "Describe it.", [image], send_request=False)   # the embedding goes first
+        time.sleep(1.0)
+        proxy.out.send(addr["gen"], protocol.AbortRequest(("holder",)))
+        time.sleep(1.0)     # the holder is gone, and with it the cache's entry
+        prompt, decoded = proxy.request("late", "Describe it.", [image], send_jobs=False)
+        tokens, done = proxy.collect(["late"])
+        assert done["late"].finish_reason == "length", done["late"].error
+        assert tokens["late"] == proxy.expected(prompt, decoded)
+        time.sleep(1.0)
+        gen = proxy.stats("gen")
+        assert gen.gauges["encoder_cache_tokens"] == 0 and gen.gauges["early_embeddings"] == 0
+        assert proxy.stats("enc").gauges["arena_leases"] == 0
     except Exception:
         print(log_path.read_text()[-4000:])
         raise

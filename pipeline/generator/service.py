@@ -25,6 +25,7 @@ from pipeline.arena.reader import ArenaReader, StaleHandleError
 from pipeline.engine.engine import Engine
 from pipeline.engine.output import RequestOutput
 from pipeline.engine.request import SamplingParams
+from pipeline.generator.early_arrivals import EarlyArrivals
 from pipeline.processing.processor import MultimodalPrompt
 
 log = logging.getLogger("epd.generator")
@@ -33,6 +34,7 @@ log = logging.getLogger("epd.generator")
 PROFILE_LOG_S = 10.0     # how often the step profile is logged while there is work
 STATS_REFRESH_S = 0.05   # how stale the stats the receiver thread answers with may be
 ABORT_MEMORY_S = 60.0    # how long an abort waits for a request that has not arrived
+EARLY_MEMORY_S = 30.0    # how long an embedding waits for the request it overtook
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class GeneratorService:
         self.encoder_arenas: dict[str, str] = {}     # encoder id -> the arena it announced last
         self.waiting_for_arena: list[protocol.EmbeddingReady] = []
         self.aborted_early: dict[str, float] = {}   # request id -> when its abort overtook it
+        self.early = EarlyArrivals(EARLY_MEMORY_S)   # embeddings that overtook their requests
         self.copies: list = []   # (PendingRead, EmbeddingReady, encoder address) not yet released
         self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0}
         self._last_heartbeat = 0.0
@@ -212,6 +215,7 @@ class GeneratorService:
             log.warning("ignoring unexpected %s", type(message).__name__)
 
     def _on_generate(self, req: protocol.GenerateRequest, inputs: list | None = None, error: str = "") -> None:
+        early = self.early.claim(req.request_id)
         if self.aborted_early.pop(req.request_id, None) is not None:
             return
         self.counters["requests"] += 1
@@ -231,10 +235,17 @@ class GeneratorService:
                                                         status=400))
             self.counters["errors"] += 1
             return
-        missing = set() if self.decode_images is not None else set(req.image_keys)
-        missing -= {k for k in missing if self.engine.scheduler.embedding_available(k)
-                    or k in self.engine.pending_embeddings}
-        self.tracked[req.request_id] = _Tracked(req.reply_to, missing, time.monotonic() + self.embedding_timeout)
+        tracked = self.tracked[req.request_id] = _Tracked(req.reply_to, set(),
+                                                          time.monotonic() + self.embedding_timeout)
+        for key, embedding in early:
+            try:
+                self.engine.add_embedding(key, embedding)
+            except ValueError as exc:
+                self._fail(req.request_id, str(exc), 400)
+                return
+        if self.decode_images is None:
+            tracked.missing = {k for k in req.image_keys if not self.engine.scheduler.embedding_available(k)
+                               and k not in self.engine.pending_embeddings}
 
     def _on_embedding(self, ready: protocol.EmbeddingReady) -> None:
         if not self.reader.is_open(ready.handle.arena_id):
@@ -263,6 +274,8 @@ class GeneratorService:
             return
         for tracked in self.tracked.values():
             tracked.missing.discard(ready.content_hash)
+        if ready.request_id not in self.tracked:
+            self.early.hold(ready.request_id, ready.content_hash, embedding)
 
     def _finish_copies(self) -> None:
         """Release the leases of copies that have completed (checked against
@@ -297,6 +310,7 @@ class GeneratorService:
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()
+        self.early.expire(now)
         for request_id, since in list(self.aborted_early.items()):
             if now - since > ABORT_MEMORY_S:   # an abort for a request that never came
                 del self.aborted_early[request_id]
@@ -358,7 +372,8 @@ class GeneratorService:
                   "kv_blocks_total": float(scheduler.block_pool.num_used + scheduler.block_pool.num_free),
                   "running": float(scheduler.num_running), "waiting": float(scheduler.num_waiting),
                   "encoder_cache_tokens": float(scheduler.encoder_cache.used_tokens),
-                  "pending_embeddings": float(len(self.engine.pending_embeddings))}
+                  "pending_embeddings": float(len(self.engine.pending_embeddings)),
+                  "early_embeddings": float(len(self.early))}
         counters = dict(self.counters, yields=scheduler.stats["yields_total"],
                         preemptions=scheduler.stats["preemptions_total"], **self.engine.profile.counters())
         return protocol.StageStats("generator", self.address, counters, gauges, self.address)
