@@ -11,6 +11,8 @@ Tensors never ride in a message: an `ArenaHandle` says where they are.
 
 from __future__ import annotations
 
+import uuid
+
 import msgspec
 
 
@@ -211,6 +213,14 @@ class StageStats(_Msg, tag="stats"):
     counters: dict[str, int]
     gauges: dict[str, float]
     address: str = ""   # the stage's inbox
+    # Differs between a process and the one restarted in its place, so a
+    # peer sees a restart that was quicker than its down timeout.
+    incarnation: str = ""
+
+
+def new_incarnation() -> str:
+    """An id for this process's StageStats.incarnation."""
+    return uuid.uuid4().hex[:16]
 
 
 Message = (EncodeJob | EmbeddingReady | EncodeFailed | ReleaseLease | Heartbeat | Hello

@@ -47,6 +47,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-image-bytes", type=int, default=20 << 20)
     p.add_argument("--max-images", type=int, default=16, help="images per request")
     p.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight before 503")
+    p.add_argument("--stage-timeout", type=float, default=3.0,
+                   help="seconds without a stage's stats reply before it counts as down and its requests move")
     args = p.parse_args(argv)
     args.encoders, args.generators = _addresses(args.encoders), _addresses(args.generators)
     if not args.generators:
@@ -55,6 +57,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--mode epd needs at least one --encoders address")
     if not 0 < args.port < 65536:
         p.error("--port must be in 1..65535")
+    if not args.stage_timeout > 0.5:    # stats are asked for every 0.5 s
+        p.error("--stage-timeout must be more than 0.5 seconds")
     return args
 
 
@@ -68,7 +72,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       aggregated=args.mode == "aggregated", max_images=args.max_images)
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
-                            args.mode == "aggregated", args.max_in_flight)
+                            args.mode == "aggregated", args.max_in_flight, args.stage_timeout)
     policy = FetchPolicy(args.max_image_bytes, tuple(args.allow_file_dir), args.allow_http)
     return ProxyApp(dispatcher, model, policy).build()
 

@@ -26,14 +26,15 @@ class Stack:
     """An encoder/generator/proxy set of processes on the tiny model."""
 
     def __init__(self, run_dir: Path, model_dir: Path, encoders: int, generators: int, aggregated: bool = False,
-                 generator_args: tuple[str, ...] = ()) -> None:
+                 generator_args: tuple[str, ...] = (), proxy_args: tuple[str, ...] = ()) -> None:
         self.run_dir = run_dir
         self.port = free_port()
         self.log = open(run_dir / "stack.log", "w")
         self.procs: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}
-        self.encoder_instances = [f"e2e-enc{i}-{os.getpid()}" for i in range(encoders)]
-        self.generator_instances = [f"e2e-gen{i}-{os.getpid()}" for i in range(generators)]
+        # Named after the run folder too: two stacks may be up at once.
+        self.encoder_instances = [f"e2e-{run_dir.name}-enc{i}-{os.getpid()}" for i in range(encoders)]
+        self.generator_instances = [f"e2e-{run_dir.name}-gen{i}-{os.getpid()}" for i in range(generators)]
         enc = [f"ipc://{run_dir}/enc{i}.sock" for i in range(encoders)]
         gen = [f"ipc://{run_dir}/gen{i}.sock" for i in range(generators)]
         common = ["--model", str(model_dir), "--device", "cpu"]
@@ -48,7 +49,7 @@ class Stack:
         self._start("proxy", ["stages.proxy", "--port", str(self.port), "--address", f"ipc://{run_dir}/proxy.sock",
                               "--model", str(model_dir), "--model-id", "tiny", "--mode",
                               "aggregated" if aggregated else "epd", "--generators", ",".join(gen),
-                              *(["--encoders", ",".join(enc)] if enc else [])])
+                              *(["--encoders", ",".join(enc)] if enc else []), *proxy_args])
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def _start(self, name: str, argv: list[str]) -> None:

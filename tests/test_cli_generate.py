@@ -99,6 +99,8 @@ def test_max_tokens_must_be_positive(tiny_dir):
     ("stages.encoder", ["--address", "ipc:///tmp/unused", "--arena-mib", "lots"], "--arena-mib"),
     ("stages.encoder", ["--address", "ipc:///tmp/unused", "--arena-mib", "0"], "--arena-mib must be at least 1"),
     ("stages.proxy", ["--bogus"], "--bogus"),
+    ("stages.proxy", ["--generators", "ipc:///tmp/unused", "--mode", "aggregated", "--stage-timeout", "0.1"],
+     "--stage-timeout must be more than 0.5 seconds"),
     ("stages.generator", ["--address", "ipc:///tmp/unused", "--mode", "both"], "--mode"),
 ])
 def test_stages_refuse_bad_flags_in_one_line(program, args, fragment):

@@ -247,6 +247,76 @@ def test_a_bogus_arena_announcement_harms_no_generator(epd):
     assert epd.logs().count("cannot open the arena that encoder intruder announced") >= 2
 
 
+def long_requests(stack, n: int, max_tokens: int, disturb) -> list:
+    """n streamed requests that run long enough for `disturb()` to hit them."""
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(chat, stack, IMAGES[1], f"long {i}", stream=True, max_tokens=max_tokens,
+                               ignore_eos=True) for i in range(n)]
+        time.sleep(1.5)     # all running: least-loaded routing spread them over the generators
+        disturb()
+        return [f.result(timeout=50) for f in futures]
+
+
+def test_a_generator_that_stalls_past_the_timeout_then_wakes_sends_no_stale_tokens(epd):
+    """Stopped for longer than the proxy's down timeout, a generator's
+    requests move on; when it wakes, what it still produces for them is
+    dropped (and it is told to stop), so each client gets each token once."""
+    before = epd.total("epd_generation_tokens_total")
+
+    def stall():
+        epd.procs["gen0"].send_signal(signal.SIGSTOP)
+        time.sleep(5.0)
+        epd.procs["gen0"].send_signal(signal.SIGCONT)
+
+    results = long_requests(epd, 6, 300, stall)
+    assert [(usage.completion_tokens, reason) for _, reason, usage in results] == [(300, "length")] * 6
+    assert epd.total("epd_generation_tokens_total") - before == 6 * 300
+    epd.wait_healthy()
+    time.sleep(1.5)     # stats are polled
+    assert epd.total("epd_running_requests") == 0
+
+
+@pytest.fixture(scope="module")
+def patient(tiny_dir, tmp_path_factory):
+    """A proxy whose down timeout (60 s) outlasts any restart here."""
+    stack = Stack(tmp_path_factory.mktemp("patient"), tiny_dir, encoders=1, generators=2,
+                  proxy_args=("--stage-timeout", "60"))
+    try:
+        stack.wait_healthy()
+        yield stack
+    finally:
+        stack.close()
+
+
+def test_requests_survive_a_generator_that_dies_and_is_back_before_it_looks_down(patient):
+    """systemd or epd-launch can restart a stage faster than the proxy's down
+    timeout, so it never looks down; the requests it held died with it. The
+    new incarnation's first stats reply reveals the restart, and the proxy
+    sends them again (resuming after the tokens already streamed)."""
+    def kill_and_restart():
+        patient.stop_stage("gen0", signal.SIGKILL)
+        patient.restart_stage("gen0")
+
+    results = long_requests(patient, 4, 200, kill_and_restart)
+    assert [(usage.completion_tokens, reason) for _, reason, usage in results] == [(200, "length")] * 4
+    patient.wait_healthy()
+
+
+def test_encode_jobs_lost_with_an_encoder_that_is_back_before_it_looks_down_are_sent_again(patient):
+    """Jobs queued at an encoder that is then killed and restarted at once
+    are lost with it; its new incarnation gets them again."""
+    patient.procs["enc0"].send_signal(signal.SIGSTOP)    # jobs pile up unread
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(chat, patient, [image_bytes(random_image(66, 88, seed=700 + i))], f"lost job {i}",
+                               max_tokens=8, ignore_eos=True) for i in range(4)]
+        time.sleep(1.5)
+        patient.stop_stage("enc0", signal.SIGKILL)
+        patient.restart_stage("enc0")
+        results = [f.result(timeout=50) for f in futures]
+    assert [usage.completion_tokens for _, _, usage in results] == [8] * 4
+    patient.wait_healthy()
+
+
 def rings_of(instance: str) -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob(f"epd-{instance}-*-ring*"))
 

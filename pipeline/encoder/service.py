@@ -70,6 +70,7 @@ class EncoderService:
         self.to_decode: list[tuple[str, bytes]] = []
         self.decoded: deque[_Decoded] = deque()
         self.counters: Counter[str] = Counter()
+        self.incarnation = protocol.new_incarnation()
         self.busy: Counter[str] = Counter()   # seconds and images per window, for the profile log
         self.busy_totals: Counter[str] = Counter()   # the same since start, for /metrics
         self.forwards = 0
@@ -108,7 +109,8 @@ class EncoderService:
         for phase in ("decode", "forward"):
             counters[f"busy_us.{phase}"] = int(totals[f"{phase}_s"] * 1e6)
             counters[f"images.{phase}"] = int(totals[f"{phase}_images"])
-        return protocol.StageStats("encoder", self.settings.encoder_id, counters, gauges, self.settings.address)
+        return protocol.StageStats("encoder", self.settings.encoder_id, counters, gauges, self.settings.address,
+                                   self.incarnation)
 
     def handle_hello(self, reply_to: str) -> None:
         self.send(reply_to, self.announcement())

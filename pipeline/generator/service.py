@@ -83,6 +83,7 @@ class GeneratorService:
         self.early = EarlyArrivals(EARLY_MEMORY_S)   # embeddings that overtook their requests
         self.copies: list = []   # (PendingRead, EmbeddingReady, encoder address) not yet released
         self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0}
+        self.incarnation = protocol.new_incarnation()
         self._last_heartbeat = 0.0
         # Refreshed by the engine thread each loop; the receiver thread answers
         # stats requests with it, so a long step (a first compile, a big
@@ -376,4 +377,4 @@ class GeneratorService:
                   "early_embeddings": float(len(self.early))}
         counters = dict(self.counters, yields=scheduler.stats["yields_total"],
                         preemptions=scheduler.stats["preemptions_total"], **self.engine.profile.counters())
-        return protocol.StageStats("generator", self.address, counters, gauges, self.address)
+        return protocol.StageStats("generator", self.address, counters, gauges, self.address, self.incarnation)

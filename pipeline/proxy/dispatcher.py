@@ -8,6 +8,13 @@ Failure handling:
   One that has produced tokens resumes there: the tokens so far are appended
   to its prompt and only the rest is generated, so the client's stream just
   goes on (usage still counts them as completion tokens);
+- a stage restarted faster than the down timeout never looks down, but its
+  stats carry a new incarnation: its requests move, or its encode jobs are
+  sent again, as if it had been down;
+- each move is a new attempt with its own id on the wire (`wire_id`): the
+  generator left behind is told to abort the old one, and anything it still
+  sends for it (a stalled process that wakes up) is dropped, so no client
+  gets a token twice;
 - a bad image (non-retryable failure) ends its request with an error.
 """
 
@@ -27,6 +34,18 @@ from pipeline.proxy.api_types import ApiError
 from pipeline.proxy.routing import encoder_order, least_loaded
 
 log = logging.getLogger("epd.proxy")
+
+ATTEMPT_MARK = "~"   # the request ids the proxy makes never contain it
+
+
+def wire_id(request_id: str, attempt: int) -> str:
+    """The id a request has on the wire in its `attempt`-th dispatch."""
+    return request_id if attempt == 0 else f"{request_id}{ATTEMPT_MARK}{attempt}"
+
+
+def parse_wire_id(wire: str) -> tuple[str, int]:
+    request_id, mark, attempt = wire.rpartition(ATTEMPT_MARK)
+    return (request_id, int(attempt)) if mark and attempt.isdigit() else (wire, 0)
 
 
 @dataclass
@@ -49,6 +68,11 @@ class Flight:
     token_ids: list[int] = field(default_factory=list)   # generated so far
     resumed_from: int = 0      # tokens generated before the last move to another generator
     encoders: dict[str, list[str]] = field(default_factory=dict)   # job id -> encoders tried
+    attempt: int = 0           # dispatches so far, less one
+
+    @property
+    def wire_id(self) -> str:
+        return wire_id(self.work.request.request_id, self.attempt)
 
 
 class Dispatcher:
@@ -67,6 +91,7 @@ class Dispatcher:
         self.flights: dict[str, Flight] = {}
         self.load: dict[str, int] = {g: 0 for g in generators}
         self.last_seen: dict[str, float] = {}
+        self.incarnations: dict[str, str] = {}   # stage address -> the incarnation its stats named last
         self.stats: dict[str, protocol.StageStats] = {}
         self.on_finish = None   # callback(flight, delta) for metrics
         self._ids = itertools.count()
@@ -118,7 +143,10 @@ class Dispatcher:
         if not self.aggregated:
             for job in flight.work.jobs:
                 self._send_job(flight, job, tried=[])
-        self.outbox.try_send(flight.generator, flight.work.request)
+        request = flight.work.request
+        if flight.attempt:
+            request = msgspec.structs.replace(request, request_id=flight.wire_id)
+        self.outbox.try_send(flight.generator, request)
 
     def _send_job(self, flight: Flight, job: protocol.EncodeJob, tried: list[str]) -> bool:
         order = [e for e in encoder_order(job.content_hash, self.encoders) if e not in tried]
@@ -127,7 +155,7 @@ class Dispatcher:
             return False
         target = live[0]
         flight.encoders[job.job_id] = tried + [target]
-        job = protocol.EncodeJob(job.job_id, job.request_id, job.content_hash, job.media, flight.generator,
+        job = protocol.EncodeJob(job.job_id, flight.wire_id, job.content_hash, job.media, flight.generator,
                                  job.expected_tokens, self.address)
         self.outbox.try_send(target, job)
         return True
@@ -136,7 +164,7 @@ class Dispatcher:
         flight = self.flights.pop(request_id, None)
         if flight is not None:
             self.load[flight.generator] -= flight.work.cost
-            self.outbox.try_send(flight.generator, protocol.AbortRequest((request_id,)))
+            self.outbox.try_send(flight.generator, protocol.AbortRequest((flight.wire_id,)))
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}-{time.monotonic_ns() % 1_000_000_000}"
@@ -151,9 +179,21 @@ class Dispatcher:
         elif isinstance(message, protocol.StageStats):
             self.last_seen[message.address] = time.monotonic()
             self.stats[message.address] = message
+            known = self.incarnations.get(message.address)
+            self.incarnations[message.address] = message.incarnation
+            if known is not None and known != message.incarnation:
+                log.warning("%s restarted: sending again what it held", message.address)
+                self._after_restart(message.address)
+
+    def _current(self, wire: str) -> Flight | None:
+        """The flight a stage's message is about; None if it ended, or if
+        the message is about an earlier attempt of it."""
+        request_id, attempt = parse_wire_id(wire)
+        flight = self.flights.get(request_id)
+        return flight if flight is not None and flight.attempt == attempt else None
 
     def _on_delta(self, delta: protocol.TokenDelta) -> None:
-        flight = self.flights.get(delta.request_id)
+        flight = self._current(delta.request_id)
         if flight is None:
             return
         if delta.token_ids and flight.first_token_at is None:
@@ -165,14 +205,14 @@ class Dispatcher:
                 delta, prompt_tokens=delta.prompt_tokens - flight.resumed_from,
                 completion_tokens=delta.completion_tokens + flight.resumed_from)
         if delta.finished:
-            self.flights.pop(delta.request_id, None)
+            self.flights.pop(flight.work.request.request_id, None)
             self.load[flight.generator] -= flight.work.cost
             if self.on_finish is not None:
                 self.on_finish(flight, delta)
         flight.deltas.put_nowait(delta)
 
     def _on_encode_failed(self, failed: protocol.EncodeFailed) -> None:
-        flight = self.flights.get(failed.request_id)
+        flight = self._current(failed.request_id)
         if flight is None:
             return
         job = next((j for j in flight.work.jobs if j.job_id == failed.job_id), None)
@@ -210,8 +250,14 @@ class Dispatcher:
                     if tried and not self.up(tried[-1]) and tried[-1] in self.last_seen:
                         self._send_job(flight, job, tried)
 
-    def _redispatch(self, flight: Flight) -> None:
+    def _redispatch(self, flight: Flight, exclude_current: bool = True) -> None:
+        """Move a flight, as a new attempt, to another generator (or, after
+        a restart, to any, the restarted one too)."""
+        # A stalled generator stops on this; a restarted one gets it behind
+        # anything queued for its predecessor, in the same pipe, and drops that.
+        self.outbox.try_send(flight.generator, protocol.AbortRequest((flight.wire_id,)))
         self.load[flight.generator] -= flight.work.cost
+        flight.attempt += 1
         if flight.token_ids:
             left = flight.work.request.sampling.max_tokens - (len(flight.token_ids) - flight.resumed_from)
             if left <= 0:  # only its final message was lost
@@ -219,7 +265,7 @@ class Dispatcher:
                 return
             self._resume_point(flight)
         try:
-            flight.generator = self._pick_generator(exclude=(flight.generator,))
+            flight.generator = self._pick_generator(exclude=(flight.generator,) if exclude_current else ())
         except ApiError as exc:
             self.flights.pop(flight.work.request.request_id, None)
             flight.deltas.put_nowait(protocol.TokenDelta(flight.work.request.request_id, (), "", True,
@@ -228,6 +274,20 @@ class Dispatcher:
         log.warning("request %s moved to generator %s", flight.work.request.request_id, flight.generator)
         flight.encoders.clear()
         self._dispatch(flight)
+
+    def _after_restart(self, address: str) -> None:
+        """What a stage restarted in place held died with its predecessor:
+        its requests move (it may take them again), and the encode jobs it
+        had are sent again for requests that have no token yet (the others
+        have read their embeddings)."""
+        for flight in list(self.flights.values()):
+            if flight.generator == address:
+                self._redispatch(flight, exclude_current=False)
+            elif not self.aggregated and flight.first_token_at is None:
+                for job in flight.work.jobs:
+                    tried = flight.encoders.get(job.job_id, [])
+                    if tried and tried[-1] == address:
+                        self._send_job(flight, job, tried[:-1])
 
     def _finish_lost(self, flight: Flight) -> None:
         request = flight.work.request

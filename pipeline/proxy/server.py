@@ -177,8 +177,10 @@ class ProxyApp:
     def _record(self, flight: Flight, delta: protocol.TokenDelta) -> None:
         now = time.monotonic()
         self.metrics.requests.labels("error" if delta.error else "ok").inc()
+        self.metrics.generation_tokens.inc(flight.tokens)
         if delta.error:
             return
+        self.metrics.prompt_tokens.inc(delta.prompt_tokens)
         self.metrics.e2e.observe(now - flight.created)
         if flight.first_token_at is not None:
             self.metrics.ttft.observe(flight.first_token_at - flight.created)

@@ -1,0 +1,102 @@
+"""The proxy's dispatcher on its own: real sockets stand in for the stages,
+and the test plays their replies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from pipeline import protocol, transport
+from pipeline.proxy.dispatcher import Dispatcher, Work, parse_wire_id, wire_id
+
+GENERATORS = ["inproc://g0", "inproc://g1"]
+ENCODER = "inproc://e0"
+
+
+def test_wire_ids_round_trip():
+    assert wire_id("chatcmpl-req-1-2", 0) == "chatcmpl-req-1-2"
+    for attempt in (0, 1, 12):
+        assert parse_wire_id(wire_id("chatcmpl-req-1-2", attempt)) == ("chatcmpl-req-1-2", attempt)
+    assert parse_wire_id("odd~id~x") == ("odd~id~x", 0)
+
+
+class Stages:
+    """PULL sockets at the stages' addresses: what the dispatcher sends them."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        plain = zmq.Context.shadow(ctx.underlying)
+        self.inboxes = {a: transport.make_socket(plain, zmq.PULL, a, bind=True) for a in GENERATORS + [ENCODER]}
+
+    def received(self, address: str) -> list:
+        out = []
+        while self.inboxes[address].poll(200):
+            out.append(protocol.decode(self.inboxes[address].recv()))
+        return out
+
+    def close(self) -> None:
+        for sock in self.inboxes.values():
+            sock.close()
+
+
+def stats(address: str, incarnation: str) -> protocol.StageStats:
+    return protocol.StageStats("generator", address, {}, {}, address, incarnation)
+
+
+def work(request_id: str, max_tokens: int) -> Work:
+    request = protocol.GenerateRequest(request_id, (1, 2, 3), ((1, 1),), ("k",), ((1, 2, 2),),
+                                       protocol.Sampling(max_tokens=max_tokens), "inproc://proxy")
+    job = protocol.EncodeJob(f"{request_id}/0", request_id, "k", b"img", "", 1, "inproc://proxy")
+    return Work(request, [job], 3 + max_tokens)
+
+
+def test_a_restarted_generator_gets_its_requests_again_and_stale_tokens_are_dropped():
+    async def scenario():
+        ctx = zmq.asyncio.Context()
+        stages = Stages(ctx)
+        dispatcher = Dispatcher(ctx, "inproc://proxy", [ENCODER], GENERATORS, aggregated=False)
+        try:
+            for address in GENERATORS + [ENCODER]:
+                dispatcher._on_message(stats(address, "first"))
+            flight = dispatcher.submit(work("r", max_tokens=10))
+            home = flight.generator
+            (sent,) = stages.received(home)
+            assert sent.request_id == "r"
+            assert [j.request_id for j in stages.received(ENCODER)] == ["r"]
+            dispatcher._on_message(protocol.TokenDelta("r", (7, 8), "ab"))
+
+            # Same address, new process: the flight moves as attempt 1,
+            # resuming after the two tokens the client already has.
+            dispatcher._on_message(stats(home, "second"))
+            to_home, to_other = stages.received(home), stages.received(next(a for a in GENERATORS if a != home))
+            # The abort goes first: a restarted generator drops whatever was
+            # queued for its predecessor before it may take the new attempt.
+            assert isinstance(to_home[0], protocol.AbortRequest) and to_home[0].request_ids == ("r",)
+            moved = [m for m in to_home[1:] + to_other if isinstance(m, protocol.GenerateRequest)]
+            assert [(m.request_id, m.prompt_token_ids[-2:], m.sampling.max_tokens) for m in moved] == \
+                [("r~1", (7, 8), 8)]
+            assert [j.request_id for j in stages.received(ENCODER)] == ["r~1"]
+
+            # The old attempt's tokens (a stalled process waking up) are not the client's.
+            dispatcher._on_message(protocol.TokenDelta("r", (9,), "z", True, "length"))
+            assert flight.token_ids == [7, 8] and "r" in dispatcher.flights
+            dispatcher._on_message(protocol.TokenDelta("r~1", (5,), "c", True, "length", 5, 1))
+            assert flight.token_ids == [7, 8, 5] and "r" not in dispatcher.flights
+            got = [flight.deltas.get_nowait() for _ in range(flight.deltas.qsize())]
+            assert [d.token_ids for d in got] == [(7, 8), (5,)]
+            assert got[-1].completion_tokens == 3     # the tokens before the move count as completion
+
+            # An unchanged incarnation moves nothing.
+            dispatcher.submit(work("s", max_tokens=4))
+            for address in GENERATORS:
+                stages.received(address)
+            dispatcher._on_message(stats(dispatcher.flights["s"].generator, "second"))
+            assert dispatcher.flights["s"].attempt == 0
+            assert not any(stages.received(a) for a in GENERATORS)
+        finally:
+            stages.close()
+            await dispatcher.close()
+            ctx.term()
+
+    asyncio.run(scenario())
