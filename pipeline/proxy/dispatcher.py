@@ -160,11 +160,14 @@ class Dispatcher:
         self.outbox.try_send(target, job)
         return True
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """End a request here and at its generator; False if it had ended."""
         flight = self.flights.pop(request_id, None)
-        if flight is not None:
-            self.load[flight.generator] -= flight.work.cost
-            self.outbox.try_send(flight.generator, protocol.AbortRequest((flight.wire_id,)))
+        if flight is None:
+            return False
+        self.load[flight.generator] -= flight.work.cost
+        self.outbox.try_send(flight.generator, protocol.AbortRequest((flight.wire_id,)))
+        return True
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}-{time.monotonic_ns() % 1_000_000_000}"
@@ -225,7 +228,11 @@ class Dispatcher:
     def _fail(self, flight: Flight, reason: str, status: int) -> None:
         request_id = flight.work.request.request_id
         self.abort(request_id)
-        delta = protocol.TokenDelta(request_id, (), "", True, "error", error=reason, status=status)
+        self._end(flight, protocol.TokenDelta(request_id, (), "", True, "error", error=reason, status=status))
+
+    def _end(self, flight: Flight, delta: protocol.TokenDelta) -> None:
+        """The last word of a request that its generator did not end."""
+        self.flights.pop(flight.work.request.request_id, None)
         if self.on_finish is not None:
             self.on_finish(flight, delta)
         flight.deltas.put_nowait(delta)
@@ -267,9 +274,8 @@ class Dispatcher:
         try:
             flight.generator = self._pick_generator(exclude=(flight.generator,) if exclude_current else ())
         except ApiError as exc:
-            self.flights.pop(flight.work.request.request_id, None)
-            flight.deltas.put_nowait(protocol.TokenDelta(flight.work.request.request_id, (), "", True,
-                                                         "error", error=str(exc), status=503))
+            self._end(flight, protocol.TokenDelta(flight.work.request.request_id, (), "", True, "error",
+                                                  error=str(exc), status=503))
             return
         log.warning("request %s moved to generator %s", flight.work.request.request_id, flight.generator)
         flight.encoders.clear()
@@ -291,13 +297,9 @@ class Dispatcher:
 
     def _finish_lost(self, flight: Flight) -> None:
         request = flight.work.request
-        rid = request.request_id
-        self.flights.pop(rid, None)
         prompt = len(request.prompt_token_ids) - flight.resumed_from
-        delta = protocol.TokenDelta(rid, (), "", True, "length", prompt, len(flight.token_ids))
-        if self.on_finish is not None:
-            self.on_finish(flight, delta)
-        flight.deltas.put_nowait(delta)
+        self._end(flight, protocol.TokenDelta(request.request_id, (), "", True, "length", prompt,
+                                              len(flight.token_ids)))
 
     def _resume_point(self, flight: Flight) -> None:
         """Make the request continue after the tokens it already produced."""

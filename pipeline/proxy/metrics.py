@@ -17,8 +17,9 @@ class ProxyMetrics:
                               registry=self.registry)
         self.tpot = Histogram("epd_time_per_output_token_seconds", "Time per output token after the first",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
-        # Tokens sent to clients, counted per delta the proxy passes on:
-        # a request moved to another generator counts each token once.
+        # Counted as the proxy passed them on, when a request ends (finished,
+        # failed or dropped by its client): a request moved to another
+        # generator counts each token once.
         self.generation_tokens = Counter("epd_generation_tokens", "Completion tokens sent to clients",
                                          registry=self.registry)
         self.prompt_tokens = Counter("epd_prompt_tokens", "Prompt tokens of requests that finished",

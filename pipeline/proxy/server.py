@@ -114,7 +114,8 @@ class ProxyApp:
                 return await self._stream(await self._open_stream(request, rid, chat), req, flight, first)
             return await self._whole(rid, flight, first, chat)
         except (asyncio.CancelledError, ConnectionResetError):
-            self.dispatcher.abort(rid)
+            if self.dispatcher.abort(rid):    # still live: nothing has counted its tokens
+                self.metrics.generation_tokens.inc(flight.tokens)
             self.metrics.requests.labels("aborted").inc()
             raise
         finally:
