@@ -203,6 +203,7 @@ class AbortRequest(_Msg, tag="abort"):
 
 class StatsRequest(_Msg, tag="stats?"):
     reply_to: str
+    incarnation: str = ""   # the asker's: a new one means the asker restarted (see new_incarnation)
 
 
 class StageStats(_Msg, tag="stats"):

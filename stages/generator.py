@@ -27,6 +27,7 @@ from pipeline.arg_parser import OneLineParser
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.kv_budget import (
     GIB, DeviceMemory, LanguageShape, activation_reserve, auto_kv_cache_bytes, forward_peak_bytes)
+from pipeline.generator.internal import AskerRestarted
 from pipeline.generator.service import GeneratorService
 from pipeline.media.registry import create_backend
 from pipeline.models.errors import ModelLoadError
@@ -199,6 +200,8 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
                 continue
             if isinstance(message, protocol.StatsRequest):
                 replies.try_send(message.reply_to, service.latest_stats)
+                if service.asker_restarted(message):
+                    inbound.put(AskerRestarted(message.reply_to))
             elif isinstance(message, protocol.GenerateRequest) and message.media:
                 decoder.submit(lambda m=message: inbound.put(service.prepare(m)))
             else:

@@ -317,6 +317,29 @@ def test_encode_jobs_lost_with_an_encoder_that_is_back_before_it_looks_down_are_
     patient.wait_healthy()
 
 
+def test_a_restarted_proxy_makes_generators_drop_what_its_predecessor_asked_for(epd):
+    """Requests of a proxy that died have no client left: once its next
+    incarnation asks for stats, the generators abort them instead of
+    generating into the void (here 1000 tokens each, about 25 s)."""
+    pool = ThreadPoolExecutor(3)
+    futures = [pool.submit(chat, epd, [], f"orphan {i}", stream=True, max_tokens=1000, ignore_eos=True)
+               for i in range(3)]
+    time.sleep(1.5)
+    assert epd.total("epd_running_requests") >= 1
+    epd.stop_stage("proxy", signal.SIGKILL)
+    for future in futures:
+        with pytest.raises(Exception):
+            future.result(timeout=30)   # their proxy is gone
+    pool.shutdown()
+    epd.restart_stage("proxy")
+    epd.wait_healthy()
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and (epd.total("epd_running_requests") or epd.total("epd_kv_blocks_used")):
+        time.sleep(0.5)
+    assert epd.total("epd_running_requests") == 0 and epd.total("epd_kv_blocks_used") == 0
+    assert chat(epd, IMAGES[1], "after the restart", max_tokens=4)[2].completion_tokens == 4
+
+
 def rings_of(instance: str) -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob(f"epd-{instance}-*-ring*"))
 

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +26,7 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.output import RequestOutput
 from pipeline.engine.request import SamplingParams
 from pipeline.generator.early_arrivals import EarlyArrivals
+from pipeline.generator.internal import AskerRestarted, PreparedRequest
 from pipeline.processing.processor import MultimodalPrompt
 
 log = logging.getLogger("epd.generator")
@@ -37,22 +38,11 @@ ABORT_MEMORY_S = 60.0    # how long an abort waits for a request that has not ar
 EARLY_MEMORY_S = 30.0    # how long an embedding waits for the request it overtook
 
 
-@dataclass(frozen=True)
-class PreparedRequest:
-    """Aggregated mode: a generate request whose images the receiver thread
-    already decoded, so decoding never stalls the engine thread."""
-
-    request: protocol.GenerateRequest
-    inputs: list | None
-    error: str = ""
-
-
 @dataclass
 class _Tracked:
     reply_to: str
     missing: set[str]            # image keys not yet delivered
     deadline: float
-    encoders: dict[str, str] = field(default_factory=dict)  # key -> encoder address
 
 
 class GeneratorService:
@@ -84,6 +74,7 @@ class GeneratorService:
         self.copies: list = []   # (PendingRead, EmbeddingReady, encoder address) not yet released
         self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0}
         self.incarnation = protocol.new_incarnation()
+        self._askers: dict[str, str] = {}   # stats asker's address -> its incarnation (receiver thread's)
         self._last_heartbeat = 0.0
         # Refreshed by the engine thread each loop; the receiver thread answers
         # stats requests with it, so a long step (a first compile, a big
@@ -176,7 +167,16 @@ class GeneratorService:
                 return PreparedRequest(message, None, str(exc))
         return message
 
-    def handle(self, message: protocol.Message | PreparedRequest) -> None:
+    def asker_restarted(self, request: protocol.StatsRequest) -> bool:
+        """Called on the receiver thread for every stats request: True when
+        the asker is a new incarnation at a known address. It comes before
+        any request the new one sends (one socket, in order), so whatever is
+        tracked for that address then is its predecessor's."""
+        known = self._askers.get(request.reply_to)
+        self._askers[request.reply_to] = request.incarnation
+        return known is not None and known != request.incarnation
+
+    def handle(self, message: protocol.Message | PreparedRequest | AskerRestarted) -> None:
         if isinstance(message, PreparedRequest):
             self._on_generate(message.request, message.inputs, message.error)
         elif isinstance(message, protocol.GenerateRequest):
@@ -212,6 +212,13 @@ class GeneratorService:
             self.send(message.reply_to, self.stats())
         elif isinstance(message, protocol.Wake):
             pass    # it woke the loop, which reads the rings next
+        elif isinstance(message, AskerRestarted):
+            orphans = [rid for rid, tracked in self.tracked.items() if tracked.reply_to == message.address]
+            for request_id in orphans:
+                del self.tracked[request_id]
+                self.engine.abort(request_id)
+            log.warning("%s restarted: dropped the %d request(s) its predecessor sent", message.address,
+                        len(orphans))
         else:
             log.warning("ignoring unexpected %s", type(message).__name__)
 

@@ -92,6 +92,9 @@ class Dispatcher:
         self.load: dict[str, int] = {g: 0 for g in generators}
         self.last_seen: dict[str, float] = {}
         self.incarnations: dict[str, str] = {}   # stage address -> the incarnation its stats named last
+        # Named in our stats requests: a generator that sees it change drops
+        # the requests of our predecessor at this address.
+        self.incarnation = protocol.new_incarnation()
         self.stats: dict[str, protocol.StageStats] = {}
         self.on_finish = None   # callback(flight, delta) for metrics
         self._ids = itertools.count()
@@ -242,7 +245,7 @@ class Dispatcher:
     async def _watch(self) -> None:
         while True:
             for address in self.generators + ([] if self.aggregated else self.encoders):
-                self.outbox.try_send(address, protocol.StatsRequest(self.address))
+                self.outbox.try_send(address, protocol.StatsRequest(self.address, self.incarnation))
             await asyncio.sleep(self.ping_interval)
             self._handle_down_stages()
 

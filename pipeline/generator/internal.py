@@ -1,0 +1,26 @@
+"""What the generator's receiver thread hands its engine thread besides
+protocol messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline import protocol
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """Aggregated mode: a generate request whose images the receiver thread
+    already decoded, so decoding never stalls the engine thread."""
+
+    request: protocol.GenerateRequest
+    inputs: list | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class AskerRestarted:
+    """The process at `address` (a proxy) is a new incarnation: the requests
+    its predecessor sent have no client left."""
+
+    address: str
