@@ -27,7 +27,7 @@ from pipeline.arg_parser import OneLineParser
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.kv_budget import (
     GIB, DeviceMemory, LanguageShape, activation_reserve, auto_kv_cache_bytes, forward_peak_bytes)
-from pipeline.generator.internal import AskerRestarted
+from pipeline.generator.internal import AskerIncarnations, AskerRestarted, prepare
 from pipeline.generator.service import GeneratorService
 from pipeline.media.registry import create_backend
 from pipeline.models.errors import ModelLoadError
@@ -188,6 +188,7 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
     mode images are decoded on a worker so this thread stays responsive."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    askers = AskerIncarnations()
     with ThreadPoolExecutor(1, "image-decode") as decoder:
         while not stop.is_set():
             if not poller.poll(100):
@@ -200,10 +201,11 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
                 continue
             if isinstance(message, protocol.StatsRequest):
                 replies.try_send(message.reply_to, service.latest_stats)
-                if service.asker_restarted(message):
+                if askers.restarted(message):
                     inbound.put(AskerRestarted(message.reply_to))
-            elif isinstance(message, protocol.GenerateRequest) and message.media:
-                decoder.submit(lambda m=message: inbound.put(service.prepare(m)))
+            elif (isinstance(message, protocol.GenerateRequest) and message.media
+                  and service.decode_images is not None):
+                decoder.submit(lambda m=message: inbound.put(prepare(m, service.decode_images)))
             else:
                 inbound.put(message)
 

@@ -219,3 +219,40 @@ def test_an_embedding_that_overtakes_its_request_is_kept_for_it(stages, tiny_dir
         raise
     finally:
         proxy.close()
+
+
+def test_a_handle_whose_arena_cannot_be_opened_is_given_up_not_held(stages, tiny_dir, tmp_path):
+    """A handle from an encoder whose arena does not open here (its mapping
+    failed) holds a lease that pins the embedding in that encoder's arena:
+    the generator gives it back and fails the request with the reason, at
+    once, instead of holding both until the embedding deadline."""
+    from pipeline.arena.shm import segment_name
+
+    addr, procs, log_path = stages
+    proxy = Proxy(addr, tiny_dir)
+    ghost_address = f"ipc://{tmp_path}/ghost.sock"
+    ghost = transport.make_socket(proxy.ctx, zmq.PULL, ghost_address, bind=True)
+    try:
+        wait_ready(proxy, ["enc", "gen"])
+        image = [image_bytes(random_image(60, 70, seed=41), "PNG")]
+        prompt, _ = proxy.request("ghosted", "Where from?", image, send_jobs=False)
+        key = content_hash(image[0], proxy.salt)
+        tokens = prompt.image_spans[0][1]
+        handle = protocol.ArenaHandle("ghost-arena", 0, tokens * 64 * 4, (tokens, 64), "float32", 1)
+        proxy.out.send(addr["gen"], protocol.EmbeddingReady("ghosted/0", "ghosted", key, handle, "lease-1", "ghost"))
+        time.sleep(0.5)     # parked: its arena is unknown here
+        arena = protocol.ArenaInfo("ghost-arena", "shm", 1 << 20, 1 << 16, segment_name("ghost", "gen", pid=1),
+                                   segment_name("ghost", "data", pid=1))
+        proxy.out.send(addr["gen"], protocol.EncoderAnnounce("ghost", ghost_address, "tiny", arena, {"image": 64}))
+        assert ghost.poll(5000), "the lease was not given back"
+        released = protocol.decode(ghost.recv())
+        assert isinstance(released, protocol.ReleaseLease) and released.lease_ids == ("lease-1",)
+        _, done = proxy.collect(["ghosted"])
+        assert done["ghosted"].finish_reason == "error" and "unreadable" in done["ghosted"].error
+        assert done["ghosted"].status == 500
+    except Exception:
+        print(log_path.read_text()[-4000:])
+        raise
+    finally:
+        ghost.close()
+        proxy.close()

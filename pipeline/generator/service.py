@@ -25,6 +25,7 @@ from pipeline.arena.reader import ArenaReader, StaleHandleError
 from pipeline.engine.engine import Engine
 from pipeline.engine.output import RequestOutput
 from pipeline.engine.request import SamplingParams
+from pipeline.generator.arena_waits import ArenaWaits
 from pipeline.generator.early_arrivals import EarlyArrivals
 from pipeline.generator.internal import AskerRestarted, PreparedRequest
 from pipeline.processing.processor import MultimodalPrompt
@@ -36,6 +37,8 @@ PROFILE_LOG_S = 10.0     # how often the step profile is logged while there is w
 STATS_REFRESH_S = 0.05   # how stale the stats the receiver thread answers with may be
 ABORT_MEMORY_S = 60.0    # how long an abort waits for a request that has not arrived
 EARLY_MEMORY_S = 30.0    # how long an embedding waits for the request it overtook
+ARENA_WAIT_S = 10.0      # how long a handle waits for its encoder's arena to open here
+KEY_SOURCE_MEMORY_S = 60.0   # how long a key no request needs keeps its encoder's address
 
 
 @dataclass
@@ -65,16 +68,17 @@ class GeneratorService:
         self._host = ring.host_id() if self.rings else ""
         self.reader = ArenaReader(device)
         self.tracked: dict[str, _Tracked] = {}
-        self.key_source: dict[str, str] = {}     # image key -> encoder address that delivered it
+        # image key -> (address of the encoder that delivered it, when), for refetches
+        self.key_source: dict[str, tuple[str, float]] = {}
+        self._key_sources_pruned = time.monotonic()
         self.encoder_addresses: dict[str, str] = {}  # encoder id -> inbox address, from announcements
         self.encoder_arenas: dict[str, str] = {}     # encoder id -> the arena it announced last
-        self.waiting_for_arena: list[protocol.EmbeddingReady] = []
+        self.waiting_for_arena = ArenaWaits(ARENA_WAIT_S)
         self.aborted_early: dict[str, float] = {}   # request id -> when its abort overtook it
         self.early = EarlyArrivals(EARLY_MEMORY_S)   # embeddings that overtook their requests
         self.copies: list = []   # (PendingRead, EmbeddingReady, encoder address) not yet released
         self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0}
         self.incarnation = protocol.new_incarnation()
-        self._askers: dict[str, str] = {}   # stats asker's address -> its incarnation (receiver thread's)
         self._last_heartbeat = 0.0
         # Refreshed by the engine thread each loop; the receiver thread answers
         # stats requests with it, so a long step (a first compile, a big
@@ -157,25 +161,6 @@ class GeneratorService:
 
     # ------------------------------------------------------------- messages
 
-    def prepare(self, message: protocol.Message) -> protocol.Message | PreparedRequest:
-        """Called on the receiver thread for every message: decodes the
-        images of aggregated-mode requests there."""
-        if isinstance(message, protocol.GenerateRequest) and self.decode_images is not None and message.media:
-            try:
-                return PreparedRequest(message, self.decode_images(message.media))
-            except ValueError as exc:
-                return PreparedRequest(message, None, str(exc))
-        return message
-
-    def asker_restarted(self, request: protocol.StatsRequest) -> bool:
-        """Called on the receiver thread for every stats request: True when
-        the asker is a new incarnation at a known address. It comes before
-        any request the new one sends (one socket, in order), so whatever is
-        tracked for that address then is its predecessor's."""
-        known = self._askers.get(request.reply_to)
-        self._askers[request.reply_to] = request.incarnation
-        return known is not None and known != request.incarnation
-
     def handle(self, message: protocol.Message | PreparedRequest | AskerRestarted) -> None:
         if isinstance(message, PreparedRequest):
             self._on_generate(message.request, message.inputs, message.error)
@@ -203,11 +188,12 @@ class GeneratorService:
                 self.reader.open(message.arena)
             except Exception as exc:   # a bad announcement must not stop this generator
                 log.warning("cannot open the arena that encoder %s announced: %s", message.encoder_id, exc)
+                self._give_up(self.waiting_for_arena.take_from(message.encoder_id),
+                              f"encoder {message.encoder_id}'s arena cannot be opened here: {exc}")
                 return
             self.encoder_arenas[message.encoder_id] = message.arena.arena_id
-            pending, self.waiting_for_arena = self.waiting_for_arena, []
-            for ready in pending:
-                self._on_embedding(ready)
+            for ready, since in self.waiting_for_arena.take_all():
+                self._on_embedding(ready, since)
         elif isinstance(message, protocol.StatsRequest):
             self.send(message.reply_to, self.stats())
         elif isinstance(message, protocol.Wake):
@@ -255,12 +241,12 @@ class GeneratorService:
             tracked.missing = {k for k in req.image_keys if not self.engine.scheduler.embedding_available(k)
                                and k not in self.engine.pending_embeddings}
 
-    def _on_embedding(self, ready: protocol.EmbeddingReady) -> None:
+    def _on_embedding(self, ready: protocol.EmbeddingReady, parked_since: float | None = None) -> None:
         if not self.reader.is_open(ready.handle.arena_id):
             # An encoder we have not heard from: ask it, keep the handle (leased) meanwhile.
-            self.waiting_for_arena.append(ready)
-            for address in self.encoders:
-                self._hello(address)
+            if self.waiting_for_arena.park(ready, parked_since):
+                for address in self.encoders:
+                    self._hello(address)
             return
         encoder = self.encoder_addresses.get(ready.encoder_id, "")
         try:
@@ -274,7 +260,7 @@ class GeneratorService:
         self.copies.append((pending, ready, encoder))
         embedding = pending.tensor
         self.counters["embeddings"] += 1
-        self.key_source[ready.content_hash] = encoder
+        self.key_source[ready.content_hash] = (encoder, time.monotonic())
         try:
             self.engine.add_embedding(ready.content_hash, embedding)
         except ValueError as exc:
@@ -308,6 +294,15 @@ class GeneratorService:
             if request is not None and any(s.key == key for s in request.image_spans):
                 self._fail(request_id, reason, status)
 
+    def _give_up(self, handles: list[protocol.EmbeddingReady], reason: str) -> None:
+        """Handles this generator cannot read: their leases go back, their
+        requests fail (the proxy's client gets the reason)."""
+        for ready in handles:
+            encoder = self.encoder_addresses.get(ready.encoder_id)
+            if encoder:
+                self.send(encoder, protocol.ReleaseLease((ready.lease_id,), self.address))
+            self._fail_key(ready.content_hash, f"image embedding unreadable: {reason}")
+
     def _fail(self, request_id: str, reason: str, status: int = 500) -> None:
         tracked = self.tracked.pop(request_id, None)
         self.engine.abort(request_id)
@@ -319,6 +314,13 @@ class GeneratorService:
     def _expire_overdue(self) -> None:
         now = time.monotonic()
         self.early.expire(now)
+        self._give_up(self.waiting_for_arena.take_overdue(now),
+                      f"its encoder's arena was not announced within {ARENA_WAIT_S:g} s")
+        if now - self._key_sources_pruned > KEY_SOURCE_MEMORY_S:
+            self._key_sources_pruned = now
+            needed = self.engine.scheduler.encoder_cache.is_needed
+            self.key_source = {k: v for k, v in self.key_source.items()
+                               if needed(k) or now - v[1] < KEY_SOURCE_MEMORY_S}
         for request_id, since in list(self.aborted_early.items()):
             if now - since > ABORT_MEMORY_S:   # an abort for a request that never came
                 del self.aborted_early[request_id]
@@ -342,7 +344,7 @@ class GeneratorService:
     def _refetch(self) -> None:
         keys, self.engine.refetch = self.engine.refetch, []
         for key in keys:
-            address = self.key_source.get(key)
+            address = self.key_source.get(key, ("",))[0]
             users = self.engine.scheduler.encoder_cache.users(key)
             if not address or not users:
                 self._fail_key(key, "image embedding evicted and its encoder is unknown")
