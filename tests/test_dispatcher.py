@@ -100,3 +100,33 @@ def test_a_restarted_generator_gets_its_requests_again_and_stale_tokens_are_drop
             ctx.term()
 
     asyncio.run(scenario())
+
+
+def test_a_request_that_keeps_losing_its_generator_fails_instead_of_moving_on():
+    """Two generators restart under one request in turn: the second time it
+    is not sent again (it may be what kills them), it fails with a 503."""
+    async def scenario():
+        ctx = zmq.asyncio.Context()
+        stages = Stages(ctx)
+        dispatcher = Dispatcher(ctx, "inproc://proxy", [ENCODER], GENERATORS, aggregated=False, max_attempts=2)
+        ended = []
+        dispatcher.on_finish = lambda flight, delta: ended.append(delta)
+        try:
+            for address in GENERATORS + [ENCODER]:
+                dispatcher._on_message(stats(address, "first"))
+            flight = dispatcher.submit(work("p", max_tokens=10))
+            first = flight.generator
+            dispatcher._on_message(stats(first, "second"))
+            assert flight.attempt == 1 and "p" in dispatcher.flights
+            dispatcher._on_message(stats(flight.generator, "third" if flight.generator == first else "second"))
+            assert "p" not in dispatcher.flights
+            (delta,) = ended
+            assert delta.status == 503 and "lost its generator 2 times" in delta.error
+            assert flight.deltas.get_nowait() is delta
+            assert all(load == 0 for load in dispatcher.load.values())
+        finally:
+            stages.close()
+            await dispatcher.close()
+            ctx.term()
+
+    asyncio.run(scenario())

@@ -159,8 +159,18 @@ class EncoderService:
             if not items:
                 continue
             started = time.perf_counter()
-            results = await loop.run_in_executor(
-                self.decode_pool, self.media.decode, [media for _, media in items], self.image_config)
+            try:
+                results = await loop.run_in_executor(
+                    self.decode_pool, self.media.decode, [media for _, media in items], self.image_config)
+            except Exception as exc:
+                # A backend failure other than a bad image (those come back as
+                # ImageDecodeError) fails this batch, not the encoder: ended,
+                # the process would meet the same bytes again when its jobs
+                # were retried, and a crash loop stops the whole box.
+                log.exception("decoding a batch of %d image(s) failed", len(items))
+                for key, _ in items:
+                    self._fail_all(key, f"encoder error while decoding: {exc}", retryable=True)
+                continue
             self.busy["decode_s"] += time.perf_counter() - started
             self.busy["decode_images"] += len(items)
             for (key, _), result in zip(items, results):

@@ -15,6 +15,9 @@ Failure handling:
   generator left behind is told to abort the old one, and anything it still
   sends for it (a stalled process that wakes up) is dropped, so no client
   gets a token twice;
+- a request whose generator is lost `max_attempts` times is not sent again
+  but fails (503): the request may be what kills them, and resending it
+  would take the generators down one after another;
 - a bad image (non-retryable failure) ends its request with an error.
 """
 
@@ -78,7 +81,7 @@ class Flight:
 class Dispatcher:
     def __init__(self, ctx: zmq.asyncio.Context, address: str, encoders: list[str], generators: list[str],
                  aggregated: bool, max_in_flight: int = 1024, stage_timeout: float = 3.0,
-                 ping_interval: float = 0.5) -> None:
+                 ping_interval: float = 0.5, max_attempts: int = 2) -> None:
         self.address = address
         self.inbox = transport.Inbox(ctx, address)
         self.outbox = transport.Outbox(ctx)
@@ -88,6 +91,7 @@ class Dispatcher:
         self.max_in_flight = max_in_flight
         self.stage_timeout = stage_timeout
         self.ping_interval = ping_interval
+        self.max_attempts = max_attempts
         self.flights: dict[str, Flight] = {}
         self.load: dict[str, int] = {g: 0 for g in generators}
         self.last_seen: dict[str, float] = {}
@@ -274,6 +278,13 @@ class Dispatcher:
                 self._finish_lost(flight)
                 return
             self._resume_point(flight)
+        if flight.attempt >= self.max_attempts:
+            log.warning("request %s lost its generator %d times: failing it", flight.work.request.request_id,
+                        flight.attempt)
+            self._end(flight, protocol.TokenDelta(
+                flight.work.request.request_id, (), "", True, "error", status=503,
+                error=f"the request lost its generator {flight.attempt} times; it is not sent again"))
+            return
         try:
             flight.generator = self._pick_generator(exclude=(flight.generator,) if exclude_current else ())
         except ApiError as exc:

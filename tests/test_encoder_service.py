@@ -1,0 +1,85 @@
+"""The encoder's service loop in-process, on the tiny model's real vision
+tower and a real shared-memory arena."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from conftest import image_bytes, random_image
+from pipeline import protocol
+from pipeline.arena.store import ArenaStore
+from pipeline.encoder.service import EncoderService, EncoderSettings
+from pipeline.hashing import content_hash
+from pipeline.media.registry import create_backend
+from pipeline.models.loader import load_model
+from pipeline.processing.image import ImageProcessorConfig
+
+POISON = b"\x89PNG poison"
+
+
+class BrokenOnPoison:
+    """The Pillow backend, except that a batch holding POISON raises what a
+    backend should never raise (as a library bug or an exhausted device would)."""
+
+    def __init__(self) -> None:
+        self.real = create_backend("pillow", torch.device("cpu"))
+
+    def decode(self, blobs, cfg):
+        if POISON in blobs:
+            raise RuntimeError("decoder library crashed")
+        return self.real.decode(blobs, cfg)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_backend_failure_fails_its_jobs_and_the_encoder_keeps_serving(tiny_dir):
+    tower = load_model(tiny_dir, dtype="float32", device="cpu", part="visual").model
+    config = ImageProcessorConfig.from_checkpoint(tiny_dir)
+    store = ArenaStore(4 << 20, 64 << 10, torch.device("cpu"), "test-encsvc")
+    sent: list[tuple[str, protocol.Message]] = []
+
+    def send(address, message):
+        sent.append((address, message))
+        return True
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as decode_pool, ThreadPoolExecutor(1) as compute_pool:
+            service = EncoderService(EncoderSettings("enc", "inproc://enc", "tiny"), store, tower,
+                                     BrokenOnPoison(), config, send, decode_pool, compute_pool)
+            running = asyncio.ensure_future(service.run())
+
+            async def outcome(job_id):
+                for _ in range(600):
+                    for _, message in sent:
+                        if getattr(message, "job_id", None) == job_id:
+                            return message
+                    await asyncio.sleep(0.01)
+                raise TimeoutError(job_id)
+
+            def job(job_id, media, tokens=1):
+                return protocol.EncodeJob(job_id, job_id, content_hash(media, service.salt), media, "inproc://gen",
+                                          tokens, "inproc://proxy")
+
+            service.handle(job("bad", POISON))
+            failed = await outcome("bad")
+            assert isinstance(failed, protocol.EncodeFailed) and failed.retryable
+            assert "decoder library crashed" in failed.reason
+            good = image_bytes(random_image(56, 56, seed=3))
+            (decoded,) = service.media.decode([good], config)
+            service.handle(job("good", good, tower.tokens_per_image(decoded.grid)))
+            ready = await outcome("good")
+            assert isinstance(ready, protocol.EmbeddingReady)
+            service.handle(protocol.ReleaseLease((ready.lease_id,), "inproc://gen"))
+            assert store.index.lease_count == 0
+            assert not running.done()
+            assert len(service.flight) == 0
+            running.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
