@@ -1,6 +1,7 @@
 """The generator's small parts: embeddings held for the request they
 overtook (EarlyArrivals), handles waiting for their arena (ArenaWaits), and
-the stats askers' incarnations."""
+the stats askers' incarnations, recent request ids, and where each image key
+came from."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pipeline import protocol
 from pipeline.generator.arena_waits import ArenaWaits
 from pipeline.generator.early_arrivals import EarlyArrivals
 from pipeline.generator.internal import AskerIncarnations
+from pipeline.generator.key_sources import KeySources
+from pipeline.generator.recent_ids import RecentIds
 
 
 def test_a_request_claims_its_own_embeddings_once_and_unclaimed_ones_expire():
@@ -55,3 +58,29 @@ def test_a_stats_asker_is_restarted_when_its_incarnation_changes():
     assert not askers.restarted(protocol.StatsRequest("ipc://other", "two"))
     assert askers.restarted(protocol.StatsRequest("ipc://proxy", "three"))
     assert not askers.restarted(protocol.StatsRequest("ipc://proxy", "three"))
+
+
+def test_recent_ids_expire_oldest_first_and_a_re_add_is_young_again():
+    recent = RecentIds(ttl_s=10.0)
+    recent.add("a")
+    recent.add("b")
+    recent.add("a")          # again: now the youngest
+    assert "a" in recent and "b" in recent and len(recent) == 2
+    now = time.monotonic()
+    recent.expire(now + 5)
+    assert len(recent) == 2
+    assert recent.pop("b") and not recent.pop("b")
+    recent.expire(now + 11)
+    assert "a" not in recent and len(recent) == 0
+
+
+def test_key_sources_forget_only_old_keys_nobody_needs():
+    sources = KeySources(memory_s=60.0)
+    sources.remember("needed", "ipc://enc0")
+    sources.remember("idle", "ipc://enc1")
+    assert sources.address_of("idle") == "ipc://enc1" and sources.address_of("never") == ""
+    now = time.monotonic()
+    sources.prune(now + 30, needed=lambda key: False)     # too soon to prune at all
+    assert len(sources) == 2
+    sources.prune(now + 61, needed=lambda key: key == "needed")
+    assert sources.address_of("needed") == "ipc://enc0" and sources.address_of("idle") == ""

@@ -109,10 +109,14 @@ class Proxy:
 
     def stats(self, target):
         self.out.send(self.addr[target], protocol.StatsRequest(self.addr["me"]))
-        while True:
+        latest = None
+        # Replies to wait_ready's repeated asking may still be queued ahead of
+        # ours: the last one that comes is the fresh one.
+        while latest is None or self.inbox.poll(300):
             msg = self.recv()
-            if isinstance(msg, protocol.StageStats):
-                return msg
+            if isinstance(msg, protocol.StageStats) and msg.address == self.addr[target]:
+                latest = msg
+        return latest
 
     def close(self):
         self.inbox.close()
@@ -255,4 +259,30 @@ def test_a_handle_whose_arena_cannot_be_opened_is_given_up_not_held(stages, tiny
         raise
     finally:
         ghost.close()
+        proxy.close()
+
+
+def test_an_embedding_for_a_request_that_ended_is_given_back_unread(stages, tiny_dir):
+    """The client hung up while its image was being encoded: the embedding
+    that comes after the abort is not copied and held for a request that will
+    never come back; its lease goes straight back."""
+    addr, procs, log_path = stages
+    proxy = Proxy(addr, tiny_dir)
+    try:
+        wait_ready(proxy, ["enc", "gen"])
+        image = [image_bytes(random_image(58, 74, seed=51), "PNG")]
+        proxy.request("gone", "Anyone?", image, send_jobs=False)
+        time.sleep(0.5)
+        proxy.out.send(addr["gen"], protocol.AbortRequest(("gone",)))
+        time.sleep(0.5)
+        proxy.request("gone", "Anyone?", image, send_request=False)    # its encode job, late
+        time.sleep(2.0)
+        gen, enc = proxy.stats("gen"), proxy.stats("enc")
+        assert enc.counters["encoded"] == 1 and enc.gauges["arena_leases"] == 0
+        assert gen.gauges["early_embeddings"] == 0 and gen.gauges["pending_embeddings"] == 0
+        assert gen.counters["embeddings"] == 0      # never copied out of the arena
+    except Exception:
+        print(log_path.read_text()[-4000:])
+        raise
+    finally:
         proxy.close()

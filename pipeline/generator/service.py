@@ -28,6 +28,8 @@ from pipeline.engine.request import SamplingParams
 from pipeline.generator.arena_waits import ArenaWaits
 from pipeline.generator.early_arrivals import EarlyArrivals
 from pipeline.generator.internal import AskerRestarted, PreparedRequest
+from pipeline.generator.key_sources import KeySources
+from pipeline.generator.recent_ids import RecentIds
 from pipeline.processing.processor import MultimodalPrompt
 
 log = logging.getLogger("epd.generator")
@@ -36,6 +38,7 @@ log = logging.getLogger("epd.generator")
 PROFILE_LOG_S = 10.0     # how often the step profile is logged while there is work
 STATS_REFRESH_S = 0.05   # how stale the stats the receiver thread answers with may be
 ABORT_MEMORY_S = 60.0    # how long an abort waits for a request that has not arrived
+ENDED_MEMORY_S = 60.0    # how long an ended request's late embeddings are given back unread
 EARLY_MEMORY_S = 30.0    # how long an embedding waits for the request it overtook
 ARENA_WAIT_S = 10.0      # how long a handle waits for its encoder's arena to open here
 KEY_SOURCE_MEMORY_S = 60.0   # how long a key no request needs keeps its encoder's address
@@ -68,13 +71,14 @@ class GeneratorService:
         self._host = ring.host_id() if self.rings else ""
         self.reader = ArenaReader(device)
         self.tracked: dict[str, _Tracked] = {}
-        # image key -> (address of the encoder that delivered it, when), for refetches
-        self.key_source: dict[str, tuple[str, float]] = {}
-        self._key_sources_pruned = time.monotonic()
+        self.key_sources = KeySources(KEY_SOURCE_MEMORY_S)   # where to refetch an evicted embedding
         self.encoder_addresses: dict[str, str] = {}  # encoder id -> inbox address, from announcements
         self.encoder_arenas: dict[str, str] = {}     # encoder id -> the arena it announced last
         self.waiting_for_arena = ArenaWaits(ARENA_WAIT_S)
-        self.aborted_early: dict[str, float] = {}   # request id -> when its abort overtook it
+        self.aborted_early = RecentIds(ABORT_MEMORY_S)   # aborts that overtook their requests
+        # Requests that ended here: an embedding that comes for one later is given
+        # back without a copy, rather than held in memory that no budget counts.
+        self.ended = RecentIds(ENDED_MEMORY_S)
         self.early = EarlyArrivals(EARLY_MEMORY_S)   # embeddings that overtook their requests
         self.copies: list = []   # (PendingRead, EmbeddingReady, encoder address) not yet released
         self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0}
@@ -177,7 +181,9 @@ class GeneratorService:
                     # Not here yet: an aggregated-mode request is still having
                     # its images decoded on the receiver's worker. Drop it
                     # when it comes.
-                    self.aborted_early[request_id] = time.monotonic()
+                    self.aborted_early.add(request_id)
+                else:
+                    self.ended.add(request_id)
                 self.engine.abort(request_id)
         elif isinstance(message, protocol.EncoderAnnounce):
             self.encoder_addresses[message.encoder_id] = message.address
@@ -202,6 +208,7 @@ class GeneratorService:
             orphans = [rid for rid, tracked in self.tracked.items() if tracked.reply_to == message.address]
             for request_id in orphans:
                 del self.tracked[request_id]
+                self.ended.add(request_id)
                 self.engine.abort(request_id)
             log.warning("%s restarted: dropped the %d request(s) its predecessor sent", message.address,
                         len(orphans))
@@ -210,7 +217,7 @@ class GeneratorService:
 
     def _on_generate(self, req: protocol.GenerateRequest, inputs: list | None = None, error: str = "") -> None:
         early = self.early.claim(req.request_id)
-        if self.aborted_early.pop(req.request_id, None) is not None:
+        if self.aborted_early.pop(req.request_id):
             return
         self.counters["requests"] += 1
         s = req.sampling
@@ -248,6 +255,9 @@ class GeneratorService:
                 for address in self.encoders:
                     self._hello(address)
             return
+        if ready.request_id in self.ended or ready.request_id in self.aborted_early:
+            self._release(ready)    # its request is over: nothing here will read it
+            return
         encoder = self.encoder_addresses.get(ready.encoder_id, "")
         try:
             # Queued on this thread's stream: the forward that uses it runs after
@@ -260,7 +270,7 @@ class GeneratorService:
         self.copies.append((pending, ready, encoder))
         embedding = pending.tensor
         self.counters["embeddings"] += 1
-        self.key_source[ready.content_hash] = (encoder, time.monotonic())
+        self.key_sources.remember(ready.content_hash, encoder)
         try:
             self.engine.add_embedding(ready.content_hash, embedding)
         except ValueError as exc:
@@ -298,13 +308,18 @@ class GeneratorService:
         """Handles this generator cannot read: their leases go back, their
         requests fail (the proxy's client gets the reason)."""
         for ready in handles:
-            encoder = self.encoder_addresses.get(ready.encoder_id)
-            if encoder:
-                self.send(encoder, protocol.ReleaseLease((ready.lease_id,), self.address))
+            self._release(ready)
             self._fail_key(ready.content_hash, f"image embedding unreadable: {reason}")
+
+    def _release(self, ready: protocol.EmbeddingReady) -> None:
+        """Give a handle's lease back unread."""
+        encoder = self.encoder_addresses.get(ready.encoder_id)
+        if encoder:
+            self.send(encoder, protocol.ReleaseLease((ready.lease_id,), self.address))
 
     def _fail(self, request_id: str, reason: str, status: int = 500) -> None:
         tracked = self.tracked.pop(request_id, None)
+        self.ended.add(request_id)
         self.engine.abort(request_id)
         self.counters["errors"] += 1
         if tracked is not None:
@@ -316,14 +331,9 @@ class GeneratorService:
         self.early.expire(now)
         self._give_up(self.waiting_for_arena.take_overdue(now),
                       f"its encoder's arena was not announced within {ARENA_WAIT_S:g} s")
-        if now - self._key_sources_pruned > KEY_SOURCE_MEMORY_S:
-            self._key_sources_pruned = now
-            needed = self.engine.scheduler.encoder_cache.is_needed
-            self.key_source = {k: v for k, v in self.key_source.items()
-                               if needed(k) or now - v[1] < KEY_SOURCE_MEMORY_S}
-        for request_id, since in list(self.aborted_early.items()):
-            if now - since > ABORT_MEMORY_S:   # an abort for a request that never came
-                del self.aborted_early[request_id]
+        self.key_sources.prune(now, self.engine.scheduler.encoder_cache.is_needed)
+        self.aborted_early.expire(now)     # aborts for requests that never came
+        self.ended.expire(now)
         for request_id, tracked in list(self.tracked.items()):
             if tracked.missing and now > tracked.deadline:
                 self._fail(request_id, f"image embedding did not arrive within {self.embedding_timeout:g} s",
@@ -337,6 +347,7 @@ class GeneratorService:
             return
         if output.finished:
             del self.tracked[output.request_id]
+            self.ended.add(output.request_id)
         self.send(tracked.reply_to, protocol.TokenDelta(
             output.request_id, output.new_token_ids, output.new_text, output.finished,
             output.finish_reason or "", output.num_prompt_tokens, output.num_output_tokens))
@@ -344,7 +355,7 @@ class GeneratorService:
     def _refetch(self) -> None:
         keys, self.engine.refetch = self.engine.refetch, []
         for key in keys:
-            address = self.key_source.get(key, ("",))[0]
+            address = self.key_sources.address_of(key)
             users = self.engine.scheduler.encoder_cache.users(key)
             if not address or not users:
                 self._fail_key(key, "image embedding evicted and its encoder is unknown")
