@@ -105,10 +105,13 @@ class ReleaseLease(_Msg, tag="release"):
 
 class Heartbeat(_Msg, tag="heartbeat"):
     """Liveness of `sender`; an encoder drops the leases of a consumer whose
-    heartbeats stop."""
+    heartbeats stop, and those its predecessor at the same address took when
+    it names a new incarnation (started at `started_at`, wall clock)."""
 
     sender: str
     sent_at: float
+    incarnation: str = ""
+    started_at: float = 0.0
 
 
 class Hello(_Msg, tag="hello"):
@@ -121,6 +124,8 @@ class Hello(_Msg, tag="hello"):
     reply_to: str
     ring: str = ""
     host: str = ""
+    incarnation: str = ""    # as in Heartbeat
+    started_at: float = 0.0
 
 
 class Wake(_Msg, tag="wake"):

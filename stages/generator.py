@@ -27,8 +27,9 @@ from pipeline.arg_parser import OneLineParser
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.kv_budget import (
     GIB, DeviceMemory, LanguageShape, activation_reserve, auto_kv_cache_bytes, forward_peak_bytes)
-from pipeline.generator.internal import AskerIncarnations, AskerRestarted, prepare
+from pipeline.generator.internal import AskerRestarted, prepare
 from pipeline.generator.service import GeneratorService
+from pipeline.incarnations import Incarnations
 from pipeline.media.registry import create_backend
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import resolve_device
@@ -188,7 +189,9 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
     mode images are decoded on a worker so this thread stays responsive."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    askers = AskerIncarnations()
+    # A stats asker (the proxy) restarted: it sends this before anything else,
+    # so what is tracked for its address then is its predecessor's.
+    askers = Incarnations()
     with ThreadPoolExecutor(1, "image-decode") as decoder:
         while not stop.is_set():
             if not poller.poll(100):
@@ -201,7 +204,7 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
                 continue
             if isinstance(message, protocol.StatsRequest):
                 replies.try_send(message.reply_to, service.latest_stats)
-                if askers.restarted(message):
+                if askers.restarted(message.reply_to, message.incarnation):
                     inbound.put(AskerRestarted(message.reply_to))
             elif (isinstance(message, protocol.GenerateRequest) and message.media
                   and service.decode_images is not None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
@@ -109,6 +110,23 @@ def test_leases_expire_when_owner_stops_heartbeating():
     clock.now = 20.0
     index.expire()
     assert index.lease_count == 0 and set(index.unused) == {"a", "b"}
+
+
+def test_an_owner_restarted_in_place_loses_only_its_predecessors_leases():
+    """It keeps heartbeating under the same name, so expiry never comes:
+    leases taken before the new incarnation started are dropped."""
+    index = EmbeddingIndex(num_blocks=4, block_bytes=100)
+    ready(index, "a"); ready(index, "b")
+    old = index.lease("a", "gen-0", "r1")
+    other = index.lease("a", "gen-1", "r2")
+    started = time.time()
+    time.sleep(0.01)
+    new = index.lease("b", "gen-0", "r3")
+    dropped = index.drop_owner("gen-0", taken_before=started)
+    assert [l.lease_id for l in dropped] == [old.lease_id]
+    assert set(index.leases) == {other.lease_id, new.lease_id}
+    index.heartbeat("gen-0")            # still a known owner: its leases still expire if it goes silent
+    assert "gen-0" in index.owner_seen
 
 
 def test_lease_requires_ready_entry():

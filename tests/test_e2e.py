@@ -370,6 +370,8 @@ def test_embeddings_reach_generators_through_rings_and_a_killed_generators_ring_
         time.sleep(0.2)
     (new,) = rings_of(instance)
     assert new != old
+    # Its hello named a new incarnation: the encoder dropped what the killed one leased.
+    assert "gen2.sock restarted: dropped" in epd.logs()
     lane = ring.attach(f"{new}")
     try:
         before = ring_handoffs()

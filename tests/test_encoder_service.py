@@ -4,6 +4,7 @@ tower and a real shared-memory arena."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -77,6 +78,55 @@ def test_a_backend_failure_fails_its_jobs_and_the_encoder_keeps_serving(tiny_dir
             assert store.index.lease_count == 0
             assert not running.done()
             assert len(service.flight) == 0
+            running.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
+
+
+def test_leases_of_a_consumer_restarted_in_place_are_dropped(tiny_dir):
+    """A generator restarted at the same address heartbeats under that
+    address, so its predecessor's leases would never expire: its new
+    incarnation drops them, and only them."""
+    tower = load_model(tiny_dir, dtype="float32", device="cpu", part="visual").model
+    config = ImageProcessorConfig.from_checkpoint(tiny_dir)
+    store = ArenaStore(4 << 20, 64 << 10, torch.device("cpu"), "test-encsvc-restart")
+    sent: list = []
+    gen = "inproc://gen"
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as decode_pool, ThreadPoolExecutor(1) as compute_pool:
+            service = EncoderService(EncoderSettings("enc", "inproc://enc", "tiny"), store, tower,
+                                     create_backend("pillow", torch.device("cpu")), config,
+                                     lambda address, message: sent.append(message) or True, decode_pool,
+                                     compute_pool)
+            running = asyncio.ensure_future(service.run())
+
+            async def lease_for(job_id, seed):
+                media = image_bytes(random_image(40, 48, seed=seed))
+                (decoded,) = service.media.decode([media], config)
+                service.handle(protocol.EncodeJob(job_id, job_id, content_hash(media, service.salt), media, gen,
+                                                  tower.tokens_per_image(decoded.grid), "inproc://proxy"))
+                for _ in range(600):
+                    ready = [m for m in sent if isinstance(m, protocol.EmbeddingReady) and m.job_id == job_id]
+                    if ready:
+                        return ready[0]
+                    await asyncio.sleep(0.01)
+                raise TimeoutError(job_id)
+
+            service.handle(protocol.Hello(gen, gen, incarnation="first", started_at=time.time()))
+            await lease_for("before", 1)
+            restarted_at = time.time()
+            await asyncio.sleep(0.01)
+            after = await lease_for("after", 2)      # a job for the new one, ahead of its first word
+            service.handle(protocol.Heartbeat(gen, time.time(), "second", restarted_at))
+            assert list(store.index.leases) == [after.lease_id]
+            service.handle(protocol.Heartbeat(gen, time.time(), "second", restarted_at))
+            assert list(store.index.leases) == [after.lease_id]     # the same incarnation: nothing more
+            service.handle(protocol.ReleaseLease((after.lease_id,), gen))
+            assert store.index.lease_count == 0
             running.cancel()
 
     try:

@@ -12,9 +12,9 @@ import torch
 from pipeline import protocol
 from pipeline.generator.arena_waits import ArenaWaits
 from pipeline.generator.early_arrivals import EarlyArrivals
-from pipeline.generator.internal import AskerIncarnations
 from pipeline.generator.key_sources import KeySources
 from pipeline.generator.recent_ids import RecentIds
+from pipeline.incarnations import Incarnations
 
 
 def test_a_request_claims_its_own_embeddings_once_and_unclaimed_ones_expire():
@@ -51,13 +51,13 @@ def test_handles_wait_for_their_arena_and_are_given_up_by_encoder_or_age():
     assert [r.request_id for r in waits.take_overdue(t0 + 16)] == ["c"] and len(waits) == 0
 
 
-def test_a_stats_asker_is_restarted_when_its_incarnation_changes():
-    askers = AskerIncarnations()
-    assert not askers.restarted(protocol.StatsRequest("ipc://proxy", "one"))
-    assert not askers.restarted(protocol.StatsRequest("ipc://proxy", "one"))
-    assert not askers.restarted(protocol.StatsRequest("ipc://other", "two"))
-    assert askers.restarted(protocol.StatsRequest("ipc://proxy", "three"))
-    assert not askers.restarted(protocol.StatsRequest("ipc://proxy", "three"))
+def test_a_peer_is_restarted_when_its_incarnation_changes():
+    peers = Incarnations()
+    assert not peers.restarted("ipc://proxy", "one")
+    assert not peers.restarted("ipc://proxy", "one")
+    assert not peers.restarted("ipc://other", "two")
+    assert peers.restarted("ipc://proxy", "three")
+    assert not peers.restarted("ipc://proxy", "three")
 
 
 def test_recent_ids_expire_oldest_first_and_a_re_add_is_young_again():

@@ -38,6 +38,7 @@ class Lease:
     content_hash: str
     owner: str
     request_id: str
+    taken_at: float = 0.0    # wall clock: comparable with a peer's start time on this host
 
 
 @dataclass
@@ -131,7 +132,7 @@ class EmbeddingIndex:
         entry = self.entries[content_hash]
         if entry.state is not State.READY:
             raise ValueError(f"{content_hash} is not ready")
-        lease = Lease(f"{self.lease_prefix}{next(self._lease_ids)}", content_hash, owner, request_id)
+        lease = Lease(f"{self.lease_prefix}{next(self._lease_ids)}", content_hash, owner, request_id, time.time())
         entry.leases[lease.lease_id] = lease
         self.leases[lease.lease_id] = lease
         self.unused.pop(content_hash, None)
@@ -159,11 +160,16 @@ class EmbeddingIndex:
         silent = [owner for owner, seen in self.owner_seen.items() if seen < deadline]
         return [lease for owner in silent for lease in self.drop_owner(owner)]
 
-    def drop_owner(self, owner: str) -> list[Lease]:
-        dropped = [lease for lease in self.leases.values() if lease.owner == owner]
+    def drop_owner(self, owner: str, taken_before: float | None = None) -> list[Lease]:
+        """Release `owner`'s leases; with `taken_before` (wall clock) only
+        those taken earlier: an owner restarted in place keeps what its new
+        incarnation took, and loses what died with its predecessor."""
+        dropped = [lease for lease in self.leases.values() if lease.owner == owner
+                   and (taken_before is None or lease.taken_at < taken_before)]
         for lease in dropped:
             self.release(lease.lease_id)
-        self.owner_seen.pop(owner, None)
+        if taken_before is None:
+            self.owner_seen.pop(owner, None)
         return dropped
 
     # ------------------------------------------------------------------ stats

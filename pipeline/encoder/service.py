@@ -26,6 +26,7 @@ from pipeline.encoder.batching import take_batch
 from pipeline.encoder.ring_lanes import RingLanes
 from pipeline.encoder.single_flight import SingleFlight
 from pipeline.hashing import content_hash, media_salt
+from pipeline.incarnations import Incarnations
 from pipeline.media.base import DecodedImage, MediaBackend
 from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
 
@@ -71,6 +72,7 @@ class EncoderService:
         self.decoded: deque[_Decoded] = deque()
         self.counters: Counter[str] = Counter()
         self.incarnation = protocol.new_incarnation()
+        self.consumers = Incarnations()   # of the generators, from their hellos and heartbeats
         self.busy: Counter[str] = Counter()   # seconds and images per window, for the profile log
         self.busy_totals: Counter[str] = Counter()   # the same since start, for /metrics
         self.forwards = 0
@@ -89,14 +91,23 @@ class EncoderService:
             for lease_id in message.lease_ids:
                 self.store.index.release(lease_id)
         elif isinstance(message, protocol.Heartbeat):
+            self._note_consumer(message.sender, message.incarnation, message.started_at)
             self.store.index.heartbeat(message.sender)
         elif isinstance(message, protocol.Hello):
+            self._note_consumer(message.sender, message.incarnation, message.started_at)
             self.lanes.on_hello(message)
             self.handle_hello(message.reply_to)
         elif isinstance(message, protocol.StatsRequest):
             self.send(message.reply_to, self.stats())
         else:
             log.warning("ignoring unexpected %s", type(message).__name__)
+
+    def _note_consumer(self, address: str, incarnation: str, started_at: float) -> None:
+        """A consumer restarted in place keeps heartbeating under its address,
+        so its predecessor's leases would never expire: drop them here."""
+        if self.consumers.restarted(address, incarnation):
+            dropped = self.store.index.drop_owner(address, taken_before=started_at)
+            log.warning("consumer %s restarted: dropped %d lease(s) of its predecessor", address, len(dropped))
 
     def stats(self) -> protocol.StageStats:
         index = self.store.index

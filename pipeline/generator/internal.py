@@ -33,19 +33,3 @@ def prepare(request: protocol.GenerateRequest, decode_images: Callable) -> Prepa
         return PreparedRequest(request, decode_images(request.media))
     except ValueError as exc:
         return PreparedRequest(request, None, str(exc))
-
-
-class AskerIncarnations:
-    """The incarnation each stats asker named last (receiver thread only)."""
-
-    def __init__(self) -> None:
-        self._known: dict[str, str] = {}
-
-    def restarted(self, request: protocol.StatsRequest) -> bool:
-        """True when the asker is a new incarnation at a known address. Its
-        stats request comes before any request the new one sends (one
-        socket, in order), so what is tracked for that address then is its
-        predecessor's."""
-        known = self._known.get(request.reply_to)
-        self._known[request.reply_to] = request.incarnation
-        return known is not None and known != request.incarnation

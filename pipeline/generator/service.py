@@ -82,7 +82,7 @@ class GeneratorService:
         self.early = EarlyArrivals(EARLY_MEMORY_S)   # embeddings that overtook their requests
         self.copies: list = []   # (PendingRead, EmbeddingReady, encoder address) not yet released
         self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0}
-        self.incarnation = protocol.new_incarnation()
+        self.incarnation, self.started_at = protocol.new_incarnation(), time.time()
         self._last_heartbeat = 0.0
         # Refreshed by the engine thread each loop; the receiver thread answers
         # stats requests with it, so a long step (a first compile, a big
@@ -139,7 +139,7 @@ class GeneratorService:
     def _hello(self, address: str) -> None:
         lane = self.rings.get(address)
         self.send(address, protocol.Hello(self.address, self.address, lane.segment.name if lane else "",
-                                          self._host if lane else ""))
+                                          self._host if lane else "", self.incarnation, self.started_at))
 
     def _drain_rings(self) -> None:
         for lane in self.rings.values():
@@ -370,7 +370,8 @@ class GeneratorService:
         if now - self._last_heartbeat >= self.heartbeat_interval:
             self._last_heartbeat = now
             for address in self.encoders:
-                self.send(address, protocol.Heartbeat(self.address, time.time()))
+                self.send(address, protocol.Heartbeat(self.address, time.time(), self.incarnation,
+                                                      self.started_at))
 
     def _log_profile(self) -> None:
         """Every PROFILE_LOG_S with steps in it: one line of where the time went."""

@@ -33,6 +33,7 @@ import msgspec
 import zmq.asyncio
 
 from pipeline import protocol, transport
+from pipeline.incarnations import Incarnations
 from pipeline.proxy.api_types import ApiError
 from pipeline.proxy.routing import encoder_order, least_loaded
 
@@ -95,7 +96,7 @@ class Dispatcher:
         self.flights: dict[str, Flight] = {}
         self.load: dict[str, int] = {g: 0 for g in generators}
         self.last_seen: dict[str, float] = {}
-        self.incarnations: dict[str, str] = {}   # stage address -> the incarnation its stats named last
+        self.incarnations = Incarnations()   # of the stages, from their stats
         # Named in our stats requests: a generator that sees it change drops
         # the requests of our predecessor at this address.
         self.incarnation = protocol.new_incarnation()
@@ -189,9 +190,7 @@ class Dispatcher:
         elif isinstance(message, protocol.StageStats):
             self.last_seen[message.address] = time.monotonic()
             self.stats[message.address] = message
-            known = self.incarnations.get(message.address)
-            self.incarnations[message.address] = message.incarnation
-            if known is not None and known != message.incarnation:
+            if self.incarnations.restarted(message.address, message.incarnation):
                 log.warning("%s restarted: sending again what it held", message.address)
                 self._after_restart(message.address)
 
