@@ -189,8 +189,9 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
     mode images are decoded on a worker so this thread stays responsive."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    # A stats asker (the proxy) restarted: it sends this before anything else,
-    # so what is tracked for its address then is its predecessor's.
+    # Each stats asker's (a proxy's) incarnation. A new one's first stats request
+    # comes before anything else it sends, so what is tracked for its address
+    # by then is its predecessor's.
     askers = Incarnations()
     with ThreadPoolExecutor(1, "image-decode") as decoder:
         while not stop.is_set():
