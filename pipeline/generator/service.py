@@ -200,8 +200,6 @@ class GeneratorService:
             self.encoder_arenas[message.encoder_id] = message.arena.arena_id
             for ready, since in self.waiting_for_arena.take_all():
                 self._on_embedding(ready, since)
-        elif isinstance(message, protocol.StatsRequest):
-            self.send(message.reply_to, self.stats())
         elif isinstance(message, protocol.Wake):
             pass    # it woke the loop, which reads the rings next
         elif isinstance(message, AskerRestarted):
