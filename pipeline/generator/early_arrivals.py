@@ -20,25 +20,29 @@ import torch
 class EarlyArrivals:
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s   # how long to wait for a request that may never come (aborted, failed over)
-        self._held: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        self._since: dict[str, float] = {}
+        # request id -> (when its first embedding came, [(key, embedding)]); in
+        # insertion order, so oldest first: expiry stops at the first young one.
+        self._held: dict[str, tuple[float, list[tuple[str, torch.Tensor]]]] = {}
 
     def hold(self, request_id: str, key: str, embedding: torch.Tensor) -> None:
-        self._held.setdefault(request_id, []).append((key, embedding))
-        self._since.setdefault(request_id, time.monotonic())
+        self._held.setdefault(request_id, (time.monotonic(), []))[1].append((key, embedding))
 
     def claim(self, request_id: str) -> list[tuple[str, torch.Tensor]]:
         """The embeddings that came for `request_id` (each key, its tensor),
         handed over once."""
-        self._since.pop(request_id, None)
-        return self._held.pop(request_id, [])
+        return self._held.pop(request_id, (0.0, []))[1]
 
     def expire(self, now: float) -> int:
-        """Drop what waited longer than the ttl; returns how many requests' worth."""
-        old = [rid for rid, since in self._since.items() if now - since > self.ttl_s]
-        for rid in old:
-            self.claim(rid)
-        return len(old)
+        """Drop what waited longer than the ttl; returns how many requests' worth.
+        Runs every engine loop: without anything old it looks at one entry."""
+        dropped = 0
+        while self._held:
+            request_id, (since, _) = next(iter(self._held.items()))
+            if now - since <= self.ttl_s:
+                break
+            del self._held[request_id]
+            dropped += 1
+        return dropped
 
     def __len__(self) -> int:
         return len(self._held)
