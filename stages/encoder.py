@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from pipeline import transport
 from pipeline.arg_parser import OneLineParser
+from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.arena.store import ArenaStore
 from pipeline.encoder.service import EncoderService, EncoderSettings
 from pipeline.media.registry import create_backend
@@ -53,6 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: bfloat16 on CUDA, float32 on CPU")
+    add_cpu_threads_flag(p)
     p.add_argument("--media-backend", default="auto", help="auto, pillow, dali or nvjpeg")
     p.add_argument("--arena-mib", type=int, default=None,
                    help=f"embedding arena size (default: {CUDA_ARENA_MIB} on CUDA, {CPU_ARENA_MIB} elsewhere)")
@@ -93,6 +95,7 @@ async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: trans
                  cleanup: contextlib.ExitStack) -> None:
     """Everything made here is undone by `cleanup`, whatever fails: the
     arena's shared memory above all."""
+    apply_cpu_threads(args.cpu_threads)
     device = resolve_device(args.device)
     if device.type == "cuda":
         # Kernels, graphs and Triton launch on the current device's streams:
@@ -116,8 +119,8 @@ async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: trans
     cleanup.callback(service.lanes.close)
     for address in args.announce_to:
         service.handle_hello(address)
-    log.info("encoder %s ready on %s (device %s, media %s, arena %d MiB)", args.instance, args.address, device,
-             media.name, arena_mib)
+    log.info("encoder %s ready on %s (device %s, media %s, arena %d MiB, %d CPU threads)", args.instance,
+             args.address, device, media.name, arena_mib, torch.get_num_threads())
     await _until_stopped(service.run(), _receive(inbox, service))
 
 

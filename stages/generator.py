@@ -24,6 +24,7 @@ import zmq
 from pipeline import protocol, transport
 from pipeline.arena import ring
 from pipeline.arg_parser import OneLineParser
+from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.kv_budget import (
     GIB, DeviceMemory, LanguageShape, activation_reserve, auto_kv_cache_bytes, forward_peak_bytes)
@@ -76,6 +77,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_random_weights_flag(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    add_cpu_threads_flag(p)
     p.add_argument("--mode", choices=("epd", "aggregated"), default="epd")
     p.add_argument("--encoders", action="append", default=[], help="encoder inbox address; repeatable")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -108,6 +110,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def build_service(args: argparse.Namespace, send) -> GeneratorService:
+    apply_cpu_threads(args.cpu_threads)
     device = resolve_device(args.device)
     if device.type == "cuda":
         # Kernels, graphs and Triton launch on the current device's streams:
@@ -243,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     receiver = threading.Thread(target=receive, args=(inbox, inbound, stop, service, replies), name="receiver",
                                 daemon=True)
     receiver.start()
-    log.info("generator %s ready on %s (mode %s, device %s)", args.instance, args.address, args.mode,
-             service.device)
+    log.info("generator %s ready on %s (mode %s, device %s, %d CPU threads)", args.instance, args.address,
+             args.mode, service.device, torch.get_num_threads())
     try:
         service.run(inbound, stop)
     finally:

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from pipeline.arena.shm import remove_stale_segments
+from pipeline.cpu_threads import threads_per_stage, usable_cpus
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,7 +38,9 @@ class Stack:
         self.generator_instances = [f"e2e-{run_dir.name}-gen{i}-{os.getpid()}" for i in range(generators)]
         enc = [f"ipc://{run_dir}/enc{i}.sock" for i in range(encoders)]
         gen = [f"ipc://{run_dir}/gen{i}.sock" for i in range(generators)]
-        common = ["--model", str(model_dir), "--device", "cpu"]
+        # As epd-launch does: the cores split among the model stages.
+        threads = threads_per_stage(encoders + generators, usable_cpus())
+        common = ["--model", str(model_dir), "--device", "cpu", "--cpu-threads", str(threads)]
         for i, address in enumerate(enc):
             self._start(f"enc{i}", ["stages.encoder", "--address", address, "--instance", self.encoder_instances[i],
                                     "--media-backend", "pillow", "--model-id", "tiny", "--arena-mib", "16", *common])

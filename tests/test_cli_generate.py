@@ -102,6 +102,8 @@ def test_max_tokens_must_be_positive(tiny_dir):
     ("stages.proxy", ["--generators", "ipc:///tmp/unused", "--mode", "aggregated", "--stage-timeout", "0.1"],
      "--stage-timeout must be more than 0.5 seconds"),
     ("stages.generator", ["--address", "ipc:///tmp/unused", "--mode", "both"], "--mode"),
+    ("stages.generator", ["--address", "ipc:///tmp/unused", "--cpu-threads", "0"], "--cpu-threads"),
+    ("stages.encoder", ["--address", "ipc:///tmp/unused", "--cpu-threads", "many"], "--cpu-threads"),
 ])
 def test_stages_refuse_bad_flags_in_one_line(program, args, fragment):
     """A stage started with a bad flag (by hand, or from a unit file) says

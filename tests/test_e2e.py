@@ -6,6 +6,7 @@ import base64
 import json
 import signal
 import subprocess
+import re
 import sys
 import threading
 import time
@@ -18,6 +19,7 @@ import pytest
 
 from conftest import REPO, image_bytes, random_image
 from pipeline.arena import ring
+from pipeline.cpu_threads import threads_per_stage, usable_cpus
 from stack import Stack
 
 
@@ -109,6 +111,15 @@ def test_completions_models_and_health(epd):
     assert httpx.get(epd.base_url + "/health").status_code == 200
 
 
+def test_model_stages_split_the_cores_among_them(epd):
+    """Each of the 4 model stages runs torch on its share of the cores, not
+    on all of them: 8 spinning threads on CI's 2 cores made 3-sequence
+    decode steps take 350 ms, and a 300-token test time out."""
+    share = threads_per_stage(4, usable_cpus())
+    counts = re.findall(r"ready on \S+ \(.*, (\d+) CPU threads\)", epd.logs())
+    assert len(counts) >= 4 and set(counts) == {str(share)}, counts
+
+
 def test_64_concurrent_mixed_requests_succeed(epd):
     def one(i):
         images = IMAGES[i % 3] if i % 4 else [image_bytes(random_image(64, 64 + i, seed=1000 + i))]
@@ -121,6 +132,7 @@ def test_64_concurrent_mixed_requests_succeed(epd):
 
 def test_ten_concurrent_copies_of_a_new_image_are_encoded_once(epd):
     image = image_bytes(random_image(100, 100, seed=4242))
+    time.sleep(1.5)  # stats are polled: the earlier tests' encodes are counted before `before`
     before = epd.total("epd_encoder_jobs_total", outcome="encoded")
     with ThreadPoolExecutor(10) as pool:
         results = list(pool.map(lambda i: chat(epd, [image], f"same image {i}", max_tokens=4), range(10)))

@@ -36,11 +36,11 @@ def stages(tiny_dir, tmp_path):
     instance = f"test-genenc-{os.getpid()}"
     log = open(run / "stages.log", "w")
     procs = [
-        start(["stages.encoder", "--address", addr["enc"], "--model", str(tiny_dir), "--device", "cpu",
+        start(["stages.encoder", "--address", addr["enc"], "--model", str(tiny_dir), "--device", "cpu", "--cpu-threads", "1",
                "--instance", instance, "--media-backend", "pillow", "--arena-mib", "8", "--model-id", "tiny"], log),
-        start(["stages.generator", "--address", addr["gen"], "--model", str(tiny_dir), "--device", "cpu",
+        start(["stages.generator", "--address", addr["gen"], "--model", str(tiny_dir), "--device", "cpu", "--cpu-threads", "1",
                "--encoders", addr["enc"], "--kv-cache-mib", "4", "--embedding-timeout", "8"], log),
-        start(["stages.generator", "--address", addr["agg"], "--model", str(tiny_dir), "--device", "cpu",
+        start(["stages.generator", "--address", addr["agg"], "--model", str(tiny_dir), "--device", "cpu", "--cpu-threads", "1",
                "--mode", "aggregated", "--media-backend", "pillow", "--kv-cache-mib", "4"], log),
     ]
     yield addr, procs, run / "stages.log"

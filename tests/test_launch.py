@@ -129,6 +129,20 @@ def test_builtin_tiny_model_serves_on_cpu_by_default():
     assert flag_values(specs[0].args, "--model-id") == flag_values(specs[-1].args, "--model-id") == ["qwen"]
 
 
+def test_stages_on_the_cpu_split_its_cores_and_the_operator_wins():
+    """torch's default (a thread per core in every process) oversubscribes a
+    host the stages share; GPU stages keep it, and --stage-arg overrides."""
+    cpu = plan_stages(options(device="cpu"), HostFacts(gpu_count=0, cpus=16))
+    assert [flag_values(s.args, "--cpu-threads") for s in cpu] == [["4"]] * 4 + [[]]
+    small = plan_stages(options(device="cpu"), HostFacts(gpu_count=0, cpus=2))
+    assert {flag_values(s.args, "--cpu-threads")[0] for s in small if s.role != "proxy"} == {"1"}
+    gpus = plan_stages(options(), HostFacts(gpu_count=4, cpus=16))
+    assert all("--cpu-threads" not in s.args for s in gpus)
+    own = plan_stages(options(device="cpu", stage_args=(("generator", "--cpu-threads=8"),)),
+                      HostFacts(gpu_count=0, cpus=16))
+    assert all(g.args[-2:] == ("4", "--cpu-threads=8") for g in by_role(own)["generator"])  # argparse: last wins
+
+
 def test_dtype_and_stage_args_pass_through_in_order():
     opts = options(dtype="bfloat16", stage_args=(("generator", "--max-num-seqs=32"),
                                                  ("encoder", "--arena-mib"), ("encoder", "512")))

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.cpu_threads import threads_per_stage, usable_cpus
 from pipeline.models.shape_configs import SHAPES
 from pipeline.transport import ipc_address
 
@@ -119,6 +120,7 @@ class HostFacts:
     # The built-in tiny model, or the shape's folder with --random-weights;
     # needed only when LaunchOptions.model is None.
     builtin_model: Path | None = None
+    cpus: int = 1  # usable cores, split among the stages that run on the CPU
 
 
 @dataclass(frozen=True)
@@ -155,17 +157,20 @@ def plan_stages(options: LaunchOptions, facts: HostFacts) -> list[StageSpec]:
     address = {name: ipc_address(name, options.run_dir) for name in [*encoders, *generators, "proxy"]}
     to_encoders = tuple(flag for name in encoders for flag in ("--encoders", address[name]))
     to_generators = tuple(flag for name in generators for flag in ("--generators", address[name]))
+    on_cpu = devices.count("cpu")
+    threads = {"cpu": ("--cpu-threads", str(threads_per_stage(on_cpu, facts.cpus)))} if on_cpu else {}
 
     specs = []
     for name, device in zip(encoders, devices):
         args = ("--address", address[name], "--instance", name, "--model", str(model),
-                "--model-id", model_id, "--device", device, *dtype, *weights, *extra["encoder"])
+                "--model-id", model_id, "--device", device, *dtype, *weights, *threads.get(device, ()),
+                *extra["encoder"])
         specs.append(_spec(options, "encoder", name, address[name], device, args, env))
     shares = generator_memory_shares(devices[:len(encoders)], devices[len(encoders):], extra["generator"])
     for name, device, share in zip(generators, devices[len(encoders):], shares):
         args = ("--address", address[name], "--instance", name, "--model", str(model),
                 "--device", device, *dtype, *weights, "--mode", options.mode, *to_encoders,
-                *share, *extra["generator"])
+                *share, *threads.get(device, ()), *extra["generator"])
         specs.append(_spec(options, "generator", name, address[name], device, args, env))
     args = ("--host", options.host, "--port", str(options.port), "--address", address["proxy"],
             "--model", str(model), "--model-id", model_id, "--mode", options.mode, *to_encoders,
@@ -250,7 +255,7 @@ def host_facts(options: LaunchOptions) -> HostFacts:
         from pipeline.models.tiny import default_model_dir
 
         builtin = default_model_dir()
-    return HostFacts(gpu_count, builtin)
+    return HostFacts(gpu_count, builtin, usable_cpus())
 
 
 def _uses_cuda(options: LaunchOptions, facts: HostFacts) -> bool:
