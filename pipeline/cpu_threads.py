@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from pipeline.arg_parser import at_least_one
+
 
 def usable_cpus() -> int:
     """Cores this process may run on (taskset and cpusets count; the
@@ -29,19 +31,9 @@ def threads_per_stage(stages: int, cpus: int) -> int:
     return max(1, cpus // max(1, stages))
 
 
-def _thread_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: want a whole number of threads >= 1")
-    return value
-
-
 def add_cpu_threads_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cpu-threads", type=_thread_count, default=None, metavar="N",
-                        help="torch's CPU threads in this process (default: one per usable core; "
+    parser.add_argument("--cpu-threads", type=lambda text: at_least_one(text, "threads"), default=None,
+                        metavar="N", help="torch's CPU threads in this process (default: one per usable core; "
                         "epd-launch splits the cores among the stages that run on the CPU)")
 
 

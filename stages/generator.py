@@ -23,7 +23,7 @@ import zmq
 
 from pipeline import protocol, transport
 from pipeline.arena import ring
-from pipeline.arg_parser import OneLineParser
+from pipeline.arg_parser import OneLineParser, at_least_one
 from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.kv_budget import (
@@ -50,13 +50,7 @@ CPU_KV_CACHE_MIB = 256
 def kv_cache_mib_arg(text: str) -> int | str:
     if text == AUTO:
         return AUTO
-    try:
-        mib = int(text)
-    except ValueError:
-        mib = 0
-    if mib < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: want a whole number of MiB >= 1, or auto")
-    return mib
+    return at_least_one(text, "MiB", ", or auto")
 
 
 def utilization_arg(text: str) -> float:
