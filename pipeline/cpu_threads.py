@@ -12,18 +12,67 @@ started on its own keeps torch's default.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from pathlib import Path
 
 from pipeline.arg_parser import at_least_one
 
 
 def usable_cpus() -> int:
-    """Cores this process may run on (taskset and cpusets count; the
-    machine's total does not)."""
+    """Cores this process may use: those it may run on (taskset, cpusets),
+    capped by a cgroup CPU quota (systemd's CPUQuota=, a container's --cpus),
+    which a plain core count misses."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The tightest CPU quota (in cores) on this process's cgroup or its
+    parents, v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us`); None without one."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base = root  # v2: one hierarchy
+        elif "cpu" in controllers.split(","):
+            base = root / "cpu"
+        else:
+            continue
+        limits += [q for q in (_quota_at(base / part) for part in _ancestors(path)) if q is not None]
+    return min(limits, default=None)
+
+
+def _ancestors(path: str) -> list[str]:
+    """"/a/b" -> ["a/b", "a", ""]: a quota may sit on a parent slice; a
+    container sees its own cgroup mounted as the root."""
+    parts = [p for p in path.split("/") if p]
+    return ["/".join(parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _quota_at(folder: Path) -> float | None:
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        try:
+            quota = (folder / "cpu.cfs_quota_us").read_text().strip()
+            period = (folder / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    try:
+        return int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 def threads_per_stage(stages: int, cpus: int) -> int:
