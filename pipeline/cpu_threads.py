@@ -2,11 +2,11 @@
 
 torch gives every process one intra-op thread per core. Stages that run on
 the CPU share one host, so `epd-launch --encoders 1 --generators 3` on a
-2-core box ran 8 spinning OpenMP threads on 2 cores: measured in the
-end-to-end tests, a decode step of 3 sequences took 350 ms on CI against
-47 ms here, and one thread per stage ran the same test in 20 s instead of
-35 s. The launcher therefore splits the cores among the CPU stages; a stage
-started on its own keeps torch's default.
+2-core box ran 8 spinning OpenMP threads on 2 cores. In the end-to-end
+tests a tiny-model decode step of 3 sequences took 350 ms on CI (47-259 ms
+here); with one thread per stage a step takes about 1 ms, and the failover
+test that had timed out on CI ran in 20 s here instead of 35 s. The launcher therefore splits the cores among the CPU stages; a stage
+started on its own keeps torch's default, within a cgroup CPU quota.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def add_cpu_threads_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_cpu_threads(threads: int | None) -> None:
-    """Before the model loads: the first parallel op fixes the pool."""
+    """Before the model loads: the first parallel op fixes the pool. None
+    keeps torch's default, capped at the usable cores (torch counts the
+    machine's, not a cgroup quota's)."""
     import torch  # here, not above: the launcher's plan uses this file and must not load torch
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads if threads is not None else min(torch.get_num_threads(), usable_cpus()))
