@@ -17,6 +17,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The tokenizer folder and its fixtures, for the tokenizer and chat-template tests.
+pytest_plugins = ("tokenizer_cases",)
+
 # Shapes of the checkpoints the reference writes, chosen to differ from the
 # tiny one and from each other: GQA ratio, window size, depth, widths, tying.
 # The language model's init scale is large so greedy argmax is never a
