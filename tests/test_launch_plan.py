@@ -1,0 +1,218 @@
+"""The launcher's placement plans (pure: nothing is started) and its
+command line's one-line errors."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from pipeline.launch.plan import (
+    HostFacts, LaunchError, LaunchOptions, http_url, plan_stages, shared_gpus)
+
+RUN = Path("/tmp/epd-test-run")  # only names addresses in plan tests; nothing is bound
+MODEL = Path("/models/qwen2.5-vl-3b")
+
+
+def options(**overrides) -> LaunchOptions:
+    base = dict(encoders=1, generators=3, run_dir=RUN, model=MODEL, python="python")
+    return LaunchOptions(**{**base, **overrides})
+
+
+def flag_values(args, flag: str) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == flag]
+
+
+def by_role(specs):
+    return {role: [s for s in specs if s.role == role] for role in ("encoder", "generator", "proxy")}
+
+
+# ---- plans ------------------------------------------------------------------
+
+def test_one_encoder_three_generators_on_four_gpus():
+    specs = plan_stages(options(), HostFacts(gpu_count=4))
+    assert [(s.instance, s.device) for s in specs] == [
+        ("encoder-0", "cuda:0"), ("generator-0", "cuda:1"), ("generator-1", "cuda:2"),
+        ("generator-2", "cuda:3"), ("proxy", "cpu")]
+    assert shared_gpus(specs) == {}
+    roles = by_role(specs)
+    encoder, proxy = roles["encoder"][0], roles["proxy"][0]
+    assert encoder.argv[:3] == ["python", "-m", "stages.encoder"]
+    assert proxy.argv[:3] == ["python", "-m", "stages.proxy"]
+    assert flag_values(encoder.args, "--device") == ["cuda:0"]
+    assert flag_values(encoder.args, "--instance") == ["encoder-0"]
+    # Every stage that hashes content uses one model id.
+    assert flag_values(encoder.args, "--model-id") == flag_values(proxy.args, "--model-id") == [MODEL.name]
+    for gen in roles["generator"]:
+        assert gen.argv[:3] == ["python", "-m", "stages.generator"]
+        assert flag_values(gen.args, "--encoders") == [encoder.address]
+        assert flag_values(gen.args, "--mode") == ["epd"]
+        assert flag_values(gen.args, "--model") == [str(MODEL)]
+    assert flag_values(proxy.args, "--encoders") == [encoder.address]
+    assert flag_values(proxy.args, "--generators") == [g.address for g in roles["generator"]]
+    assert flag_values(proxy.args, "--port") == ["8000"]
+    assert flag_values(proxy.args, "--address") == [proxy.address]
+    addresses = [s.address for s in specs]
+    assert len(set(addresses)) == len(addresses) and all(a.startswith(f"ipc://{RUN}/") for a in addresses)
+    for spec in specs:  # GPUs are named, never hidden
+        assert "CUDA_VISIBLE_DEVICES" not in spec.env
+
+
+def test_fewer_gpus_than_stages_share_round_robin():
+    specs = plan_stages(options(), HostFacts(gpu_count=2))
+    assert [s.device for s in specs] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cpu"]
+    assert shared_gpus(specs) == {"cuda:0": ["encoder-0", "generator-1"],
+                                  "cuda:1": ["generator-0", "generator-2"]}
+    assert all(s.env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID" for s in specs if s.role != "proxy")
+
+
+def memory_share(spec) -> list[str]:
+    return [a.split("=", 1)[1] for a in spec.args if a.startswith("--gpu-memory-utilization=")]
+
+
+def test_generators_sharing_a_gpu_split_its_memory():
+    """1 encoder + 3 generators on 2 GPUs: cuda:0 holds the encoder and
+    generator-1 (0.9 - 0.1), cuda:1 two generators (0.45 each); alone on a
+    GPU a generator keeps its own default; the operator's flag wins."""
+    specs = plan_stages(options(), HostFacts(gpu_count=2))
+    gens = by_role(specs)["generator"]
+    assert [(g.device, memory_share(g)) for g in gens] == [
+        ("cuda:1", ["0.450"]), ("cuda:0", ["0.800"]), ("cuda:1", ["0.450"])]
+    assert all(memory_share(g) == [] for g in by_role(plan_stages(options(), HostFacts(gpu_count=4)))["generator"])
+    own = plan_stages(options(stage_args=(("generator", "--gpu-memory-utilization=0.3"),)), HostFacts(gpu_count=2))
+    assert all(memory_share(g) == ["0.3"] for g in by_role(own)["generator"])
+    cpu = plan_stages(options(device="cpu"), HostFacts(gpu_count=0))
+    assert all(memory_share(g) == [] for g in by_role(cpu)["generator"])
+    with pytest.raises(LaunchError, match="no memory left"):
+        plan_stages(options(encoders=9, generators=1), HostFacts(gpu_count=1))
+
+
+def test_gpu_subset():
+    specs = plan_stages(options(encoders=1, generators=2, gpus=(1, 3)), HostFacts(gpu_count=4))
+    assert [s.device for s in specs] == ["cuda:1", "cuda:3", "cuda:1", "cpu"]
+    with pytest.raises(LaunchError, match=r"--gpus 5: only 4 GPU\(s\)"):
+        plan_stages(options(gpus=(0, 5)), HostFacts(gpu_count=4))
+
+
+def test_aggregated_mode_starts_no_encoders():
+    specs = plan_stages(options(encoders=0, generators=2, mode="aggregated"), HostFacts(gpu_count=2))
+    roles = by_role(specs)
+    assert roles["encoder"] == [] and len(roles["generator"]) == 2
+    for spec in roles["generator"] + roles["proxy"]:
+        assert flag_values(spec.args, "--mode") == ["aggregated"]
+        assert flag_values(spec.args, "--encoders") == []
+    assert [s.device for s in roles["generator"]] == ["cuda:0", "cuda:1"]
+
+
+def test_builtin_tiny_model_serves_on_cpu_by_default():
+    tiny = Path("/cache/epd/tiny-qwen2.5-vl-v1")
+    specs = plan_stages(options(model=None), HostFacts(gpu_count=8, builtin_model=tiny))
+    assert {s.device for s in specs} == {"cpu"}
+    assert all(s.env == {} for s in specs)
+    for spec in specs:
+        assert flag_values(spec.args, "--model") == [str(tiny)]
+    assert flag_values(specs[0].args, "--model-id") == ["tiny-qwen2.5-vl-v1"]
+    # An explicit model id wins everywhere; cpu never touches GPUs.
+    specs = plan_stages(options(model_id="qwen", device="cpu"), HostFacts(gpu_count=4))
+    assert {s.device for s in specs} == {"cpu"}
+    assert flag_values(specs[0].args, "--model-id") == flag_values(specs[-1].args, "--model-id") == ["qwen"]
+
+
+def test_stages_on_the_cpu_split_its_cores_and_the_operator_wins():
+    """torch's default (a thread per core in every process) oversubscribes a
+    host the stages share; GPU stages keep it, and --stage-arg overrides."""
+    cpu = plan_stages(options(device="cpu"), HostFacts(gpu_count=0, cpus=16))
+    assert [flag_values(s.args, "--cpu-threads") for s in cpu] == [["4"]] * 4 + [[]]
+    small = plan_stages(options(device="cpu"), HostFacts(gpu_count=0, cpus=2))
+    assert {flag_values(s.args, "--cpu-threads")[0] for s in small if s.role != "proxy"} == {"1"}
+    gpus = plan_stages(options(), HostFacts(gpu_count=4, cpus=16))
+    assert all("--cpu-threads" not in s.args for s in gpus)
+    own = plan_stages(options(device="cpu", stage_args=(("generator", "--cpu-threads=8"),)),
+                      HostFacts(gpu_count=0, cpus=16))
+    assert all(g.args[-2:] == ("4", "--cpu-threads=8") for g in by_role(own)["generator"])  # argparse: last wins
+
+
+def test_dtype_and_stage_args_pass_through_in_order():
+    opts = options(dtype="bfloat16", stage_args=(("generator", "--max-num-seqs=32"),
+                                                 ("encoder", "--arena-mib"), ("encoder", "512")))
+    roles = by_role(plan_stages(opts, HostFacts(gpu_count=4)))
+    assert roles["encoder"][0].args[-2:] == ("--arena-mib", "512")
+    assert all(g.args[-1] == "--max-num-seqs=32" for g in roles["generator"])
+    assert all(flag_values(s.args, "--dtype") == ["bfloat16"] for s in roles["encoder"] + roles["generator"])
+    assert "--dtype" not in roles["proxy"][0].args
+
+
+def test_random_weights_reach_the_model_stages_and_the_folder_every_stage():
+    folder = Path("/cache/epd/qwen2.5-vl-3b-v1")
+    opts = options(model=None, random_weights="qwen2.5-vl-3b", encoders=1, generators=1)
+    specs = plan_stages(opts, HostFacts(gpu_count=2, builtin_model=folder))
+    assert [s.device for s in specs] == ["cuda:0", "cuda:1", "cpu"]  # auto: a real-size shape uses GPUs
+    roles = by_role(specs)
+    for spec in roles["encoder"] + roles["generator"]:
+        assert flag_values(spec.args, "--random-weights") == ["qwen2.5-vl-3b"]
+    assert "--random-weights" not in roles["proxy"][0].args
+    assert all(flag_values(s.args, "--model") == [str(folder)] for s in specs)
+    assert flag_values(roles["proxy"][0].args, "--model-id") == ["qwen2.5-vl-3b-v1"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(random_weights="qwen-99b"), "--random-weights must be one of"),
+    (dict(random_weights="qwen2.5-vl-3b"), "--model cannot be combined with --random-weights"),
+    (dict(stage_args=(("encoder", "--random-weights=qwen2.5-vl-3b"),)), "--random-weights is set by the launcher"),
+    (dict(encoders=0), "--encoders must be at least 1 in epd mode"),
+    (dict(encoders=1, mode="aggregated"), "--encoders must be 0 with --mode aggregated"),
+    (dict(generators=0), "--generators must be at least 1"),
+    (dict(port=70000), r"--port must be in 1\.\.65535"),
+    (dict(device="cpu", gpus=(0,)), "--gpus cannot be combined with --device cpu"),
+    (dict(gpus=(0, 0)), "--gpus must be distinct"),
+    (dict(device="tpu"), "--device must be one of auto, cpu, cuda"),
+    (dict(stage_args=(("generator", "--device=cuda:3"),)), "--device is set by the launcher"),
+    (dict(stage_args=(("proxy", "--generators"),)), "--generators is set by the launcher"),
+    (dict(stage_args=(("decoder", "--x"),)), "role must be one of encoder, generator, proxy"),
+])
+def test_bad_options_are_one_line_errors(overrides, message):
+    with pytest.raises(LaunchError, match=message) as info:
+        options(**overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_cuda_without_gpus_is_an_error():
+    with pytest.raises(LaunchError, match="no CUDA GPU is visible"):
+        plan_stages(options(device="cuda"), HostFacts(gpu_count=0))
+    # auto with a real model and no GPU: the CPU.
+    assert {s.device for s in plan_stages(options(), HostFacts(gpu_count=0))} == {"cpu"}
+
+
+def test_urls():
+    assert http_url("127.0.0.1", 8000, "/v1") == "http://127.0.0.1:8000/v1"
+    assert http_url("0.0.0.0", 80, "/health", for_client=True) == "http://127.0.0.1:80/health"
+    assert http_url("::", 80, "/health", for_client=True) == "http://[::1]:80/health"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--generators", "0"], "--generators must be at least 1"),
+    (["--mode", "aggregated", "--encoders", "2"], "--encoders must be 0 with --mode aggregated"),
+    (["--port", "99999"], "--port must be in 1..65535"),
+    (["--stage-arg", "generator"], "expected ROLE=ARG"),
+])
+def test_cli_rejects_bad_options_with_exit_2(argv, message):
+    result = subprocess.run([sys.executable, str(REPO / "bin" / "epd-launch"), *argv],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+    assert result.stderr.startswith("epd-launch: error: ")
+
+
+def test_cli_refuses_a_port_in_use():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run([sys.executable, str(REPO / "bin" / "epd-launch"), "--port", str(port)],
+                                capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"epd-launch: error: --port {port}: cannot listen on 127.0.0.1")
