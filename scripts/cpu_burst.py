@@ -45,8 +45,8 @@ WORKLOAD = ["--random-input-len", "32", "--random-output-len", "16", "--random-m
 
 
 def run_burst(name: str, args: argparse.Namespace) -> dict:
-    env = {"OMP_NUM_THREADS": str(args.threads)}
-    stack = LaunchedStack([*LAYOUTS[name], "--device", "cpu"], args.out / "logs" / name, env=env)
+    threads = [f"--stage-arg={role}=--cpu-threads={args.threads}" for role in ("encoder", "generator")]
+    stack = LaunchedStack([*LAYOUTS[name], "--device", "cpu", *threads], args.out / "logs" / name)
     out = args.out / f"{name}.json"
     bench = ["--base-url", stack.base_url, *WORKLOAD, "--num-prompts", str(args.prompts), "--json", str(out)]
     try:
@@ -59,7 +59,7 @@ def run_burst(name: str, args: argparse.Namespace) -> dict:
     result = read_json(out)
     if not result or result.get("failed"):
         raise StackError(f"{name}: the burst failed; see {args.out / 'logs'}")
-    result["commands"] = [shlex.join([f"OMP_NUM_THREADS={args.threads}", "bin/epd-launch", *stack.argv[2:]]),
+    result["commands"] = [shlex.join(["bin/epd-launch", *stack.argv[2:]]),
                           shlex.join(["bin/epd-bench", *bench])]
     return result
 
@@ -193,7 +193,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompts", type=int, default=40)
     p.add_argument("--profile-repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per stage (OMP_NUM_THREADS); more than the cores oversubscribe them")
+                   help="torch threads per stage (--cpu-threads); more than the cores oversubscribe them")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     try:
