@@ -2,7 +2,8 @@
 
 Speaks the OpenAI HTTP API; per request it fetches and hashes the images,
 renders and tokenizes the prompt, then sends the encode jobs and the generate
-request at the same time. SIGTERM or SIGINT stops it.
+request at the same time. SIGTERM or SIGINT stops it: it refuses new
+connections and gives the requests in flight --drain-timeout to finish.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-image-bytes", type=int, default=20 << 20)
     p.add_argument("--max-images", type=int, default=16, help="images per request")
     p.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight before 503")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds the requests in flight get to finish; new connections are "
+                   "refused meanwhile")
     p.add_argument("--stage-timeout", type=float, default=3.0,
                    help="seconds without a stage's stats reply before it counts as down and its requests move")
     args = p.parse_args(argv)
@@ -57,6 +61,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--mode epd needs at least one --encoders address")
     if not 0 < args.port < 65536:
         p.error("--port must be in 1..65535")
+    if not args.drain_timeout >= 0:   # also false for nan
+        p.error("--drain-timeout must be >= 0 seconds")
     if not args.stage_timeout > 0.5:    # stats are asked for every 0.5 s
         p.error("--stage-timeout must be more than 0.5 seconds")
     return args
@@ -90,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stages.proxy: error: {exc}", file=sys.stderr)
         return 1
     try:
-        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+        # aiohttp's graceful exit: it stops listening, then waits up to
+        # shutdown_timeout for the handlers in flight (streams too) before
+        # cancelling them; the dispatcher closes only after that (on_cleanup).
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None,
+                    shutdown_timeout=args.drain_timeout)
     except OSError as exc:   # the HTTP port is taken (or not ours to bind)
         print(f"stages.proxy: error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

@@ -103,6 +103,8 @@ def test_max_tokens_must_be_positive(tiny_dir):
      "--stage-timeout must be more than 0.5 seconds"),
     ("stages.generator", ["--address", "ipc:///tmp/unused", "--mode", "both"], "--mode"),
     ("stages.generator", ["--address", "ipc:///tmp/unused", "--cpu-threads", "0"], "--cpu-threads"),
+    ("stages.proxy", ["--generators", "ipc:///tmp/unused", "--mode", "aggregated", "--drain-timeout", "-1"],
+     "--drain-timeout must be >= 0 seconds"),
     ("stages.encoder", ["--address", "ipc:///tmp/unused", "--cpu-threads", "many"], "--cpu-threads"),
 ])
 def test_stages_refuse_bad_flags_in_one_line(program, args, fragment):

@@ -36,7 +36,12 @@ if "exit" in rules:
     sys.exit(rules["exit"])
 if rules.get("shm"):  # like an arena that only a clean stop removes
     Path(f"/dev/shm/epd-{instance}-{os.getpid()}-arena").write_bytes(b"x")
-signal.signal(signal.SIGTERM, signal.SIG_IGN if rules.get("ignore_term") else lambda *_: sys.exit(0))
+def on_term(*_):  # stamps when SIGTERM came and when it exits; a "drain" first
+    (HERE / "stamps" / f"{instance}.term").write_text(repr(time.time()))
+    time.sleep(rules.get("drain", 0))
+    (HERE / "stamps" / f"{instance}.exit").write_text(repr(time.time()))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if rules.get("ignore_term") else on_term)
 if role == "proxy":
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -67,7 +72,8 @@ specs = plan_stages(options, HostFacts(0, here / "tiny-model"))
 stand_in = (sys.executable, str(here / "stand_in.py"))
 config = SupervisorConfig(
     tuple(specs), http_url("127.0.0.1", cfg["port"], "/health"), http_url("127.0.0.1", cfg["port"], "/v1"),
-    ready_timeout=cfg["ready_timeout"], stop_timeout=1.0, restart_backoff=0.2, poll_interval=0.05,
+    ready_timeout=cfg["ready_timeout"], stop_timeout=1.0, drain_timeout=cfg["drain_timeout"],
+    restart_backoff=0.2, poll_interval=0.05,
     max_restarts_per_minute=cfg["max_restarts"],
     commands={role: (*stand_in, role) for role in ("encoder", "generator", "proxy")})
 sys.exit(run_supervisor(config))
@@ -84,15 +90,17 @@ class Launcher:
     """A supervisor process over stand-ins, its output collected by threads."""
 
     def __init__(self, folder: Path, behaviour: dict, encoders=1, generators=2, ready_timeout=20.0,
-                 max_restarts=5):
+                 max_restarts=5, drain_timeout=5.0):
         self.folder = folder
         (folder / "pids").mkdir()
+        (folder / "stamps").mkdir()
         (folder / "run").mkdir()
         (folder / "stand_in.py").write_text(STAND_IN)
         (folder / "behaviour.json").write_text(json.dumps(behaviour))
         self.port = free_port()
         cfg = dict(repo=str(REPO), dir=str(folder), encoders=encoders, generators=generators,
-                   port=self.port, ready_timeout=ready_timeout, max_restarts=max_restarts)
+                   port=self.port, ready_timeout=ready_timeout, max_restarts=max_restarts,
+                   drain_timeout=drain_timeout)
         self.proc = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(cfg)], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.out: list[str] = []
@@ -119,6 +127,9 @@ class Launcher:
     def pids(self, instance: str | None = None) -> list[int]:
         return [int(p.suffix[1:]) for p in (self.folder / "pids").iterdir()
                 if instance is None or p.stem == instance]
+
+    def stamp(self, instance: str, event: str) -> float:
+        return float((self.folder / "stamps" / f"{instance}.{event}").read_text())
 
     def finish(self, timeout: float = 10.0) -> int:
         code = self.proc.wait(timeout=timeout)
@@ -172,6 +183,33 @@ def test_ready_after_health_then_sigterm_stops_everything(launch):
     assert not list(Path("/dev/shm").glob(f"epd-encoder-0-{encoder_pid}-*"))
     launcher.wait_for(r"encoder-0 did not stop within 1 s; killing it")
     launcher.wait_for(rf"removed shared memory left by encoder-0: epd-encoder-0-{encoder_pid}-arena")
+
+
+def test_the_proxy_stops_first_and_its_drain_still_has_the_model_stages(launch, tmp_path):
+    """On stop the proxy lets the requests in flight finish; the encoders and
+    generators serving them get SIGTERM only once it has exited."""
+    (tmp_path / "ready").touch()
+    launcher = launch({"proxy": {"drain": 1.0}})
+    launcher.wait_for("EPD ready")
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.finish() == 0, launcher.err
+    proxy_exit = launcher.stamp("proxy", "exit")
+    assert proxy_exit - launcher.stamp("proxy", "term") >= 1.0
+    for instance in ("encoder-0", "generator-0", "generator-1"):
+        assert launcher.stamp(instance, "term") >= proxy_exit
+    assert_all_gone(launcher.pids())
+
+
+def test_a_proxy_that_outlasts_its_drain_is_killed(launch, tmp_path):
+    (tmp_path / "ready").touch()
+    launcher = launch({"proxy": {"drain": 30.0}}, drain_timeout=0.5)
+    launcher.wait_for("EPD ready")
+    started = time.monotonic()
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.finish() == 0, launcher.err
+    assert time.monotonic() - started < 10
+    launcher.wait_for(r"proxy did not stop within 1\.5 s; killing it")
+    assert_all_gone(launcher.pids())
 
 
 def test_a_stage_that_dies_is_restarted(launch, tmp_path):

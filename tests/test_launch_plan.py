@@ -144,6 +144,10 @@ def test_dtype_and_stage_args_pass_through_in_order():
     assert all(g.args[-1] == "--max-num-seqs=32" for g in roles["generator"])
     assert all(flag_values(s.args, "--dtype") == ["bfloat16"] for s in roles["encoder"] + roles["generator"])
     assert "--dtype" not in roles["proxy"][0].args
+    # The supervisor waits for the proxy's drain, so it must be the launcher's.
+    assert flag_values(roles["proxy"][0].args, "--drain-timeout") == ["30"]
+    proxy = by_role(plan_stages(options(drain_timeout=2.5), HostFacts(gpu_count=4)))["proxy"][0]
+    assert flag_values(proxy.args, "--drain-timeout") == ["2.5"]
 
 
 def test_random_weights_reach_the_model_stages_and_the_folder_every_stage():
@@ -173,6 +177,9 @@ def test_random_weights_reach_the_model_stages_and_the_folder_every_stage():
     (dict(stage_args=(("generator", "--device=cuda:3"),)), "--device is set by the launcher"),
     (dict(stage_args=(("proxy", "--generators"),)), "--generators is set by the launcher"),
     (dict(stage_args=(("decoder", "--x"),)), "role must be one of encoder, generator, proxy"),
+    (dict(drain_timeout=-1.0), "--drain-timeout must be >= 0"),
+    (dict(drain_timeout=float("nan")), "--drain-timeout must be >= 0"),
+    (dict(stage_args=(("proxy", "--drain-timeout=5"),)), "--drain-timeout is set by the launcher"),
 ])
 def test_bad_options_are_one_line_errors(overrides, message):
     with pytest.raises(LaunchError, match=message) as info:

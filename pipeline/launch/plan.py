@@ -33,7 +33,7 @@ MANAGED_FLAGS = {
     "generator": frozenset({"--address", "--instance", "--model", "--device", "--dtype", "--mode",
                             "--encoders", "--random-weights"}),
     "proxy": frozenset({"--host", "--port", "--address", "--model", "--model-id", "--encoders",
-                        "--generators", "--mode"}),
+                        "--generators", "--mode", "--drain-timeout"}),
 }
 
 # Generators size their KV cache from a share of their GPU's memory
@@ -72,6 +72,7 @@ class LaunchOptions:
     stage_args: tuple[tuple[str, str], ...] = ()  # (role, extra flag) in order
     python: str = sys.executable
     random_weights: str | None = None  # a shape name: random weights, the shape's weightless folder
+    drain_timeout: float = 30.0  # the proxy's, on stop: seconds for the requests in flight to finish
 
     def __post_init__(self) -> None:
         _check_choice("--mode", self.mode, MODES)
@@ -86,6 +87,8 @@ class LaunchOptions:
         if self.mode == "aggregated" and self.encoders != 0:
             raise LaunchError(f"--encoders must be 0 with --mode aggregated (got {self.encoders}): "
                               "generators encode images themselves")
+        if not self.drain_timeout >= 0:   # also false for nan
+            raise LaunchError(f"--drain-timeout must be >= 0 seconds (got {self.drain_timeout})")
         if not 1 <= self.port <= 65535:
             raise LaunchError(f"--port must be in 1..65535 (got {self.port})")
         if self.model_id is not None and not self.model_id.strip():
@@ -174,7 +177,7 @@ def plan_stages(options: LaunchOptions, facts: HostFacts) -> list[StageSpec]:
         specs.append(_spec(options, "generator", name, address[name], device, args, env))
     args = ("--host", options.host, "--port", str(options.port), "--address", address["proxy"],
             "--model", str(model), "--model-id", model_id, "--mode", options.mode, *to_encoders,
-            *to_generators, *extra["proxy"])
+            *to_generators, "--drain-timeout", f"{options.drain_timeout:g}", *extra["proxy"])
     specs.append(_spec(options, "proxy", "proxy", address["proxy"], "cpu", args, {}))
     return specs
 

@@ -45,6 +45,9 @@ class SupervisorConfig:
     ready_timeout: float = 180.0
     stop_timeout: float = 15.0  # SIGTERM -> SIGKILL
     log_dir: Path | None = None
+    # The proxy stops first and lets the requests in flight finish within
+    # this (its own --drain-timeout) while the model stages still serve them.
+    drain_timeout: float = 30.0
     max_restarts_per_minute: int = 5  # per stage; one more exit stops the box
     restart_backoff: float = 1.0  # first delay; doubles with each recent restart
     max_backoff: float = 30.0
@@ -57,6 +60,8 @@ class SupervisorConfig:
         for name in ("ready_timeout", "stop_timeout", "restart_backoff", "max_backoff", "poll_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SupervisorConfig.{name} must be > 0 (got {getattr(self, name)})")
+        if self.drain_timeout < 0:
+            raise ValueError(f"SupervisorConfig.drain_timeout must be >= 0 (got {self.drain_timeout})")
         if self.max_restarts_per_minute < 0:
             raise ValueError("SupervisorConfig.max_restarts_per_minute must be >= 0")
         if len({s.instance for s in self.stages}) != len(self.stages):
@@ -196,20 +201,13 @@ class Supervisor:
             self.out.flush()
 
     def _stop_all(self) -> None:
-        """SIGTERM everyone, SIGKILL whoever outlives stop_timeout, reap all,
-        then remove what the dead left behind (shm segments, socket files)."""
-        running = [s for s in self.stages if s.proc is not None and s.proc.poll() is None]
-        for stage in running:
-            stage.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.config.stop_timeout
-        for stage in running:
-            try:
-                stage.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._write(f"epd-launch: {stage.spec.instance} did not stop within "
-                            f"{self.config.stop_timeout:g} s; killing it")
-                stage.proc.kill()
-                stage.proc.wait()
+        """Stop the proxy, then the model stages (SIGTERM, SIGKILL whoever
+        outlives its time), reap all, then remove what the dead left behind
+        (shm segments, socket files). The proxy goes first so that the
+        requests it drains still have their encoders and generators."""
+        front = [s for s in self.stages if s.spec.role == "proxy"]
+        self._terminate(front, self.config.drain_timeout + self.config.stop_timeout)
+        self._terminate([s for s in self.stages if s.spec.role != "proxy"], self.config.stop_timeout)
         for stage in self.stages:
             # A SIGKILLed encoder cannot unlink its arena; the instance name finds it.
             removed = remove_stale_segments(stage.spec.instance)
@@ -220,6 +218,19 @@ class Supervisor:
                 Path(stage.spec.address[len("ipc://"):]).unlink(missing_ok=True)
         for pump in self.pumps:
             pump.join(timeout=2.0)  # a grandchild may still hold the pipe; never hang on it
+
+    def _terminate(self, stages: list[_Stage], timeout: float) -> None:
+        running = [s for s in stages if s.proc is not None and s.proc.poll() is None]
+        for stage in running:
+            stage.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for stage in running:
+            try:
+                stage.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._write(f"epd-launch: {stage.spec.instance} did not stop within {timeout:g} s; killing it")
+                stage.proc.kill()
+                stage.proc.wait()
 
     def _log_hint(self, spec: StageSpec) -> str:
         if self.config.log_dir is None:

@@ -4,6 +4,7 @@ streaming (SSE) or not, models, health, metrics."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
 MAX_BODY = 64 << 20
 CLIENT_CHECK_S = 1.0     # how often hung-up clients are looked for
 CLIENT_GONE = object()   # put in a request's delta queue when its client hung up
+
+log = logging.getLogger("epd.proxy")
 
 
 class ProxyApp:
@@ -39,6 +42,7 @@ class ProxyApp:
                         web.get("/v1/models", self.models), web.get("/health", self.health),
                         web.get("/metrics", self.metrics_page)])
         app.on_startup.append(self._start)
+        app.on_shutdown.append(self._draining)
         app.on_cleanup.append(self._stop)
         return app
 
@@ -49,6 +53,10 @@ class ProxyApp:
             import aiohttp
 
             self.session = aiohttp.ClientSession()
+
+    async def _draining(self, app) -> None:
+        """Stopping: no longer listening; what is in flight may finish."""
+        log.info("stopping: %d request(s) in flight may finish", len(self.dispatcher.flights))
 
     async def _stop(self, app) -> None:
         if self._client_watch is not None:
