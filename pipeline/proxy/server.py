@@ -56,7 +56,8 @@ class ProxyApp:
 
     async def _draining(self, app) -> None:
         """Stopping: no longer listening; what is in flight may finish."""
-        log.info("stopping: %d request(s) in flight may finish", len(self.dispatcher.flights))
+        if self.dispatcher.flights:
+            log.info("stopping: %d request(s) in flight may finish", len(self.dispatcher.flights))
 
     async def _stop(self, app) -> None:
         if self._client_watch is not None:
