@@ -1,0 +1,67 @@
+"""Helpers for the end-to-end tests: starting a stack as a fixture, and
+requests through the official openai SDK."""
+
+from __future__ import annotations
+
+import base64
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+
+from conftest import image_bytes, random_image
+
+
+def serving(stack):
+    """A module fixture's body: the stack, healthy, closed afterwards."""
+    try:
+        stack.wait_healthy()
+        yield stack
+    finally:
+        stack.close()
+
+
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def data_url(data: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def chat_messages(images: list[bytes], text: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(b)}} for b in images]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+def chat(stack, images, text, stream=False, max_tokens=16, **extra):
+    c = client(stack)
+    kwargs = dict(model="tiny", messages=chat_messages(images, text), max_tokens=max_tokens, temperature=0,
+                  extra_body=extra or None)
+    if not stream:
+        r = c.chat.completions.create(**kwargs)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+    chunks = c.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    text_out, reason, usage = "", None, None
+    for chunk in chunks:
+        if chunk.choices:
+            text_out += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+        if chunk.usage:
+            usage = chunk.usage
+    return text_out, reason, usage
+
+
+IMAGES = {n: [image_bytes(random_image(80 + 40 * i, 120 - 10 * i, seed=50 + i)) for i in range(n)] for n in (0, 1, 2)}
+
+
+
+def long_requests(stack, n: int, max_tokens: int, disturb) -> list:
+    """n streamed requests that run long enough for `disturb()` to hit them."""
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(chat, stack, IMAGES[1], f"long {i}", stream=True, max_tokens=max_tokens,
+                               ignore_eos=True) for i in range(n)]
+        time.sleep(1.5)     # all running: least-loaded routing spread them over the generators
+        disturb()
+        return [f.result(timeout=50) for f in futures]
+

@@ -1,0 +1,228 @@
+"""Stages that die, stall, restart or are lied to, under load, with real
+processes: nothing a client asked for is lost or duplicated, and nothing is
+left held (leases, KV blocks, rings)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import image_bytes, random_image
+from e2e_helpers import IMAGES, chat, long_requests, serving
+from pipeline.arena import ring
+from stack import Stack
+
+
+@pytest.fixture(scope="module")
+def epd(tiny_dir, tmp_path_factory):
+    """The users' topology: one encoder, three generators."""
+    yield from serving(Stack(tmp_path_factory.mktemp("epd"), tiny_dir, encoders=1, generators=3))
+
+
+def test_requests_keep_succeeding_while_a_generator_is_stopped(epd):
+    stop_done = threading.Event()
+
+    def load():
+        ok = 0
+        while not stop_done.is_set() or ok < 12:
+            assert chat(epd, IMAGES[1], f"during failover {ok}", max_tokens=4)[2].completion_tokens == 4
+            ok += 1
+        return ok
+
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(load) for _ in range(3)]
+        time.sleep(1.0)
+        epd.stop_stage("gen1")
+        time.sleep(4.0)
+        stop_done.set()
+        counts = [f.result(timeout=120) for f in futures]
+    assert sum(counts) >= 36
+    epd.restart_stage("gen1")
+    epd.wait_healthy()
+
+
+def test_a_bogus_arena_announcement_harms_no_generator(epd):
+    """An announcement is input from another process: one naming a path, or
+    a segment that is not there, is logged and skipped, and every generator
+    keeps serving."""
+    import zmq
+
+    from pipeline import protocol
+    from pipeline.arena.shm import segment_name
+
+    bogus = [protocol.ArenaInfo("intruder-1", "shm", 1 << 20, 1 << 16, "../../etc/passwd", "x"),
+             protocol.ArenaInfo("intruder-2", "shm", 1 << 20, 1 << 16, segment_name("nobody", "gen", pid=1),
+                                segment_name("nobody", "data", pid=1))]
+    ctx = zmq.Context()
+    try:
+        for i in range(3):
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(f"ipc://{epd.run_dir}/gen{i}.sock")
+            for info in bogus:
+                sock.send(protocol.encode(protocol.EncoderAnnounce("intruder", "ipc:///nowhere", "tiny", info,
+                                                                   {"image": 64})))
+            sock.close(linger=2000)
+    finally:
+        ctx.term()
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda i: chat(epd, IMAGES[1], f"after the intruder {i}", max_tokens=4,
+                                               ignore_eos=True), range(6)))
+    assert all(usage.completion_tokens == 4 for _, _, usage in results)
+    assert epd.logs().count("cannot open the arena that encoder intruder announced") >= 2
+
+
+def test_a_generator_that_stalls_past_the_timeout_then_wakes_sends_no_stale_tokens(epd):
+    """Stopped for longer than the proxy's down timeout, a generator's
+    requests move on; when it wakes, what it still produces for them is
+    dropped (and it is told to stop), so each client gets each token once."""
+    before = epd.total("epd_generation_tokens_total")
+
+    def stall():
+        epd.procs["gen0"].send_signal(signal.SIGSTOP)
+        time.sleep(5.0)
+        epd.procs["gen0"].send_signal(signal.SIGCONT)
+
+    results = long_requests(epd, 6, 300, stall)
+    assert [(usage.completion_tokens, reason) for _, reason, usage in results] == [(300, "length")] * 6
+    assert epd.total("epd_generation_tokens_total") - before == 6 * 300
+    epd.wait_healthy()
+    time.sleep(1.5)     # stats are polled
+    assert epd.total("epd_running_requests") == 0
+
+
+@pytest.fixture(scope="module")
+def patient(tiny_dir, tmp_path_factory):
+    """A proxy whose down timeout (60 s) outlasts any restart here."""
+    stack = Stack(tmp_path_factory.mktemp("patient"), tiny_dir, encoders=1, generators=2,
+                  proxy_args=("--stage-timeout", "60"))
+    try:
+        stack.wait_healthy()
+        yield stack
+    finally:
+        stack.close()
+
+
+def test_requests_survive_a_generator_that_dies_and_is_back_before_it_looks_down(patient):
+    """systemd or epd-launch can restart a stage faster than the proxy's down
+    timeout, so it never looks down; the requests it held died with it. The
+    new incarnation's first stats reply reveals the restart, and the proxy
+    sends them again (resuming after the tokens already streamed)."""
+    def kill_and_restart():
+        patient.stop_stage("gen0", signal.SIGKILL)
+        patient.restart_stage("gen0")
+
+    results = long_requests(patient, 4, 200, kill_and_restart)
+    assert [(usage.completion_tokens, reason) for _, reason, usage in results] == [(200, "length")] * 4
+    patient.wait_healthy()
+
+
+def test_encode_jobs_lost_with_an_encoder_that_is_back_before_it_looks_down_are_sent_again(patient):
+    """Jobs queued at an encoder that is then killed and restarted at once
+    are lost with it; its new incarnation gets them again."""
+    patient.procs["enc0"].send_signal(signal.SIGSTOP)    # jobs pile up unread
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(chat, patient, [image_bytes(random_image(66, 88, seed=700 + i))], f"lost job {i}",
+                               max_tokens=8, ignore_eos=True) for i in range(4)]
+        time.sleep(1.5)
+        patient.stop_stage("enc0", signal.SIGKILL)
+        patient.restart_stage("enc0")
+        results = [f.result(timeout=50) for f in futures]
+    assert [usage.completion_tokens for _, _, usage in results] == [8] * 4
+    patient.wait_healthy()
+
+
+def test_a_restarted_proxy_makes_generators_drop_what_its_predecessor_asked_for(epd):
+    """Requests of a proxy that died have no client left: once its next
+    incarnation asks for stats, the generators abort them instead of
+    generating into the void (here 1000 tokens each, about 25 s)."""
+    pool = ThreadPoolExecutor(3)
+    futures = [pool.submit(chat, epd, [], f"orphan {i}", stream=True, max_tokens=1000, ignore_eos=True)
+               for i in range(3)]
+    time.sleep(1.5)
+    assert epd.total("epd_running_requests") >= 1
+    epd.stop_stage("proxy", signal.SIGKILL)
+    for future in futures:
+        with pytest.raises(Exception):
+            future.result(timeout=30)   # their proxy is gone
+    pool.shutdown()
+    epd.restart_stage("proxy")
+    epd.wait_healthy()
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and (epd.total("epd_running_requests") or epd.total("epd_kv_blocks_used")):
+        time.sleep(0.5)
+    assert epd.total("epd_running_requests") == 0 and epd.total("epd_kv_blocks_used") == 0
+    assert chat(epd, IMAGES[1], "after the restart", max_tokens=4)[2].completion_tokens == 4
+
+
+def rings_of(instance: str) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"epd-{instance}-*-ring*"))
+
+
+def test_embeddings_reach_generators_through_rings_and_a_killed_generators_ring_is_replaced(epd):
+    """Same host: EmbeddingReady goes through each generator's shared-memory
+    ring, not its socket. A generator killed outright leaves its ring behind;
+    its next incarnation removes it, makes its own, and gets handoffs on it."""
+    def ring_handoffs():
+        time.sleep(1.5)  # stats are polled
+        return epd.total("epd_encoder_handoffs_total", lane="ring")
+
+    before, wakes = ring_handoffs(), epd.total("epd_encoder_ring_wakes_total")
+    for i in range(6):   # the proxy spreads these over the generators
+        chat(epd, [image_bytes(random_image(90, 60 + i, seed=900 + i))], f"ring {i}", max_tokens=2)
+    assert ring_handoffs() - before >= 6
+    # A generator waiting only on an image blocks on its socket with its ring's
+    # flag raised; the encoder saw the flag and woke it by socket.
+    assert epd.total("epd_encoder_ring_wakes_total") > wakes
+    instance = epd.generator_instances[2]
+    (old,) = rings_of(instance)
+    epd.stop_stage("gen2", signal.SIGKILL)
+    assert rings_of(instance) == [old]      # nothing removed it: the process had no chance
+    epd.restart_stage("gen2")
+    epd.wait_healthy()
+    deadline = time.monotonic() + 60
+    while (rings_of(instance) == [old] or len(rings_of(instance)) != 1) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (new,) = rings_of(instance)
+    assert new != old
+    # Its hello named a new incarnation: the encoder dropped what the killed one leased.
+    assert "gen2.sock restarted: dropped" in epd.logs()
+    lane = ring.attach(f"{new}")
+    try:
+        before = ring_handoffs()
+        with ThreadPoolExecutor(12) as pool:   # at once: least-loaded routing spreads them over all three
+            list(pool.map(lambda i: chat(epd, [image_bytes(random_image(70, 50 + i, seed=950 + i))],
+                                         f"after restart {i}", max_tokens=8, ignore_eos=True), range(12)))
+        assert ring_handoffs() - before >= 12
+        assert lane.written > 0     # some of them went to the new incarnation's ring
+    finally:
+        lane.close()
+
+
+def test_image_requests_wait_out_the_only_encoders_restart(epd):
+    """The users' topology has one encoder. Killed, it is down for longer
+    than the proxy's timeout while epd-launch restarts it (loading a real
+    tower takes seconds): the image requests it held, and those that come
+    meanwhile, wait for its next incarnation instead of failing; text-only
+    requests are served all along."""
+    epd.procs["enc0"].send_signal(signal.SIGSTOP)    # jobs pile up unread, then die with it
+    with ThreadPoolExecutor(6) as pool:
+        held = [pool.submit(chat, epd, [image_bytes(random_image(61, 77, seed=1100 + i))], f"held {i}",
+                            max_tokens=6, ignore_eos=True) for i in range(3)]
+        time.sleep(1.0)
+        epd.stop_stage("enc0", signal.SIGKILL)
+        time.sleep(4.0)                              # past the 3 s down timeout
+        meanwhile = [pool.submit(chat, epd, [image_bytes(random_image(61, 77, seed=1200 + i))], f"new {i}",
+                                 max_tokens=6, ignore_eos=True) for i in range(3)]
+        assert chat(epd, [], "text goes on", max_tokens=4)[2].completion_tokens == 4
+        time.sleep(1.0)
+        epd.restart_stage("enc0")
+        results = [f.result(timeout=60) for f in held + meanwhile]
+    assert [usage.completion_tokens for _, _, usage in results] == [6] * 6
+    epd.wait_healthy()
+    time.sleep(1.5)  # stats are polled
+    assert epd.total("epd_running_requests") == 0 and epd.total("epd_kv_blocks_used") == 0
