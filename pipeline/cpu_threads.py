@@ -5,8 +5,9 @@ the CPU share one host, so `epd-launch --encoders 1 --generators 3` on a
 2-core box ran 8 spinning OpenMP threads on 2 cores. In the end-to-end
 tests a tiny-model decode step of 3 sequences took 350 ms on CI (47-259 ms
 here); with one thread per stage a step takes about 1 ms, and the failover
-test that had timed out on CI ran in 20 s here instead of 35 s. The launcher therefore splits the cores among the CPU stages; a stage
-started on its own keeps torch's default, within a cgroup CPU quota.
+test that had timed out on CI ran in 20 s here instead of 35 s. The
+launcher therefore splits the cores among the CPU stages; a stage started
+on its own keeps torch's default, within a cgroup CPU quota.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def usable_cpus() -> int:
     return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
 
 
-def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> float | None:
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"),
+                     membership: Path = Path("/proc/self/cgroup")) -> float | None:
     """The tightest CPU quota (in cores) on this process's cgroup or its
     parents, v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us`); None without one."""
     try:
@@ -40,7 +42,10 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), membership: Path = Pat
         return None
     limits = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)   # hierarchy id, controllers, path
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":
             base = root  # v2: one hierarchy
         elif "cpu" in controllers.split(","):

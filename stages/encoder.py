@@ -22,9 +22,9 @@ import zmq
 import zmq.asyncio
 
 from pipeline import transport
+from pipeline.arena.store import ArenaStore
 from pipeline.arg_parser import OneLineParser
 from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
-from pipeline.arena.store import ArenaStore
 from pipeline.encoder.service import EncoderService, EncoderSettings
 from pipeline.media.registry import create_backend
 from pipeline.models.errors import ModelLoadError

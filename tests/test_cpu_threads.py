@@ -40,6 +40,9 @@ def test_no_cgroup_information_means_no_quota(tmp_path):
     write(tmp_path / "proc", "0::/\n")
     write(tmp_path / "cg/cpu.max", "garbage\n")
     assert cgroup_cpu_quota(tmp_path / "cg", tmp_path / "proc") is None
+    write(tmp_path / "proc", "not a cgroup line\n0::/\n")   # skipped, not a crash at start-up
+    write(tmp_path / "cg/cpu.max", "200000 100000\n")
+    assert cgroup_cpu_quota(tmp_path / "cg", tmp_path / "proc") == 2.0
 
 
 def test_threads_per_stage_is_an_even_share_and_at_least_one():
