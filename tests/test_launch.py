@@ -212,6 +212,21 @@ def test_a_proxy_that_outlasts_its_drain_is_killed(launch, tmp_path):
     assert_all_gone(launcher.pids())
 
 
+def test_asking_twice_cuts_the_drain_short(launch, tmp_path):
+    """Ctrl-C, then Ctrl-C again: the operator does not want to wait."""
+    (tmp_path / "ready").touch()
+    launcher = launch({"proxy": {"drain": 30.0}}, drain_timeout=20.0)
+    launcher.wait_for("EPD ready")
+    started = time.monotonic()
+    launcher.proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    launcher.proc.send_signal(signal.SIGINT)
+    assert launcher.finish() == 0, launcher.err
+    assert time.monotonic() - started < 10
+    launcher.wait_for("asked to stop again: not waiting for the requests in flight")
+    assert_all_gone(launcher.pids())
+
+
 def test_a_stage_that_dies_is_restarted(launch, tmp_path):
     (tmp_path / "ready").touch()
     launcher = launch({"generator-1": {"exit_after_ready": 3}})

@@ -81,10 +81,15 @@ class _Stage:
 def run_supervisor(config: SupervisorConfig, out: IO[str] | None = None) -> int:
     """Run until SIGINT/SIGTERM/SIGHUP: 0 after a clean stop, 1 (with one
     line on stderr) when a stage fails to start or keeps dying."""
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
+    stop, hurry = threading.Event(), threading.Event()
+
+    def on_signal(*_) -> None:
+        # The first asks for a stop with a drain; a second (Ctrl-C again) cuts the drain short.
+        (hurry if stop.is_set() else stop).set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
-        Supervisor(config, out or sys.stdout).run(stop)
+        Supervisor(config, out or sys.stdout, hurry).run(stop)
     except StageFailed as exc:
         print(f"epd-launch: error: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -95,9 +100,10 @@ def run_supervisor(config: SupervisorConfig, out: IO[str] | None = None) -> int:
 
 
 class Supervisor:
-    def __init__(self, config: SupervisorConfig, out: IO[str]) -> None:
+    def __init__(self, config: SupervisorConfig, out: IO[str], hurry: threading.Event | None = None) -> None:
         self.config = config
         self.out = out
+        self.hurry = hurry or threading.Event()  # set: stop without waiting for the drain
         self.lock = threading.Lock()  # one writer at a time on `out`
         self.stages = [_Stage(spec) for spec in config.stages]
         self.pumps: list[threading.Thread] = []
@@ -206,7 +212,7 @@ class Supervisor:
         (shm segments, socket files). The proxy goes first so that the
         requests it drains still have their encoders and generators."""
         front = [s for s in self.stages if s.spec.role == "proxy"]
-        self._terminate(front, self.config.drain_timeout + self.config.stop_timeout)
+        self._terminate(front, self.config.drain_timeout + self.config.stop_timeout, self.hurry)
         self._terminate([s for s in self.stages if s.spec.role != "proxy"], self.config.stop_timeout)
         for stage in self.stages:
             # A SIGKILLed encoder cannot unlink its arena; the instance name finds it.
@@ -219,18 +225,26 @@ class Supervisor:
         for pump in self.pumps:
             pump.join(timeout=2.0)  # a grandchild may still hold the pipe; never hang on it
 
-    def _terminate(self, stages: list[_Stage], timeout: float) -> None:
+    def _terminate(self, stages: list[_Stage], timeout: float, hurry: threading.Event | None = None) -> None:
+        """SIGTERM, then SIGKILL whoever outlives `timeout`, or is still up
+        once `hurry` is set."""
         running = [s for s in stages if s.proc is not None and s.proc.poll() is None]
         for stage in running:
             stage.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
+        cut_short = False
+        while any(s.proc.poll() is None for s in running) and time.monotonic() < deadline:
+            if hurry is not None and hurry.is_set():
+                cut_short = True
+                self._write("epd-launch: asked to stop again: not waiting for the requests in flight")
+                break
+            time.sleep(min(self.config.poll_interval, max(0.0, deadline - time.monotonic())))
         for stage in running:
-            try:
-                stage.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._write(f"epd-launch: {stage.spec.instance} did not stop within {timeout:g} s; killing it")
+            if stage.proc.poll() is None:
+                if not cut_short:
+                    self._write(f"epd-launch: {stage.spec.instance} did not stop within {timeout:g} s; killing it")
                 stage.proc.kill()
-                stage.proc.wait()
+            stage.proc.wait()
 
     def _log_hint(self, spec: StageSpec) -> str:
         if self.config.log_dir is None:
