@@ -200,30 +200,23 @@ def test_the_proxy_stops_first_and_its_drain_still_has_the_model_stages(launch, 
     assert_all_gone(launcher.pids())
 
 
-def test_a_proxy_that_outlasts_its_drain_is_killed(launch, tmp_path):
+@pytest.mark.parametrize("drain_timeout, signals, line", [
+    (0.5, [signal.SIGTERM], r"proxy did not stop within 1\.5 s; killing it"),
+    # Ctrl-C, then Ctrl-C again: the operator does not want to wait.
+    (20.0, [signal.SIGINT, signal.SIGINT], "asked to stop again: not waiting for the requests in flight"),
+])
+def test_a_proxy_whose_drain_runs_on_is_killed_in_time_or_when_asked_again(launch, tmp_path, drain_timeout,
+                                                                           signals, line):
     (tmp_path / "ready").touch()
-    launcher = launch({"proxy": {"drain": 30.0}}, drain_timeout=0.5)
+    launcher = launch({"proxy": {"drain": 30.0}}, drain_timeout=drain_timeout)
     launcher.wait_for("EPD ready")
     started = time.monotonic()
-    launcher.proc.send_signal(signal.SIGTERM)
+    for sig in signals:
+        launcher.proc.send_signal(sig)
+        time.sleep(0.5)
     assert launcher.finish() == 0, launcher.err
     assert time.monotonic() - started < 10
-    launcher.wait_for(r"proxy did not stop within 1\.5 s; killing it")
-    assert_all_gone(launcher.pids())
-
-
-def test_asking_twice_cuts_the_drain_short(launch, tmp_path):
-    """Ctrl-C, then Ctrl-C again: the operator does not want to wait."""
-    (tmp_path / "ready").touch()
-    launcher = launch({"proxy": {"drain": 30.0}}, drain_timeout=20.0)
-    launcher.wait_for("EPD ready")
-    started = time.monotonic()
-    launcher.proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)
-    launcher.proc.send_signal(signal.SIGINT)
-    assert launcher.finish() == 0, launcher.err
-    assert time.monotonic() - started < 10
-    launcher.wait_for("asked to stop again: not waiting for the requests in flight")
+    launcher.wait_for(line)
     assert_all_gone(launcher.pids())
 
 
