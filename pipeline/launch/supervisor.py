@@ -212,7 +212,7 @@ class Supervisor:
         (shm segments, socket files). The proxy goes first so that the
         requests it drains still have their encoders and generators."""
         front = [s for s in self.stages if s.spec.role == "proxy"]
-        self._terminate(front, self.config.drain_timeout + self.config.stop_timeout, self.hurry)
+        self._terminate(front, self.config.drain_timeout + self.config.stop_timeout, draining=True)
         self._terminate([s for s in self.stages if s.spec.role != "proxy"], self.config.stop_timeout)
         for stage in self.stages:
             # A SIGKILLed encoder cannot unlink its arena; the instance name finds it.
@@ -225,16 +225,16 @@ class Supervisor:
         for pump in self.pumps:
             pump.join(timeout=2.0)  # a grandchild may still hold the pipe; never hang on it
 
-    def _terminate(self, stages: list[_Stage], timeout: float, hurry: threading.Event | None = None) -> None:
-        """SIGTERM, then SIGKILL whoever outlives `timeout`, or is still up
-        once `hurry` is set."""
+    def _terminate(self, stages: list[_Stage], timeout: float, draining: bool = False) -> None:
+        """SIGTERM, then SIGKILL whoever outlives `timeout`, or (`draining`)
+        is still up once a second stop signal has set `hurry`."""
         running = [s for s in stages if s.proc is not None and s.proc.poll() is None]
         for stage in running:
             stage.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         cut_short = False
         while any(s.proc.poll() is None for s in running) and time.monotonic() < deadline:
-            if hurry is not None and hurry.is_set():
+            if draining and self.hurry.is_set():
                 cut_short = True
                 self._write("epd-launch: asked to stop again: not waiting for the requests in flight")
                 break
