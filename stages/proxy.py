@@ -29,6 +29,11 @@ from pipeline.proxy.requests import ModelInfo
 from pipeline.proxy.server import ProxyApp
 
 
+# After the drain has ended every request: the seconds their handlers get to
+# write the last bytes (to slow clients too) before aiohttp cancels them.
+HANDLER_GRACE_S = 5.0
+
+
 def _addresses(values: list[str]) -> list[str]:
     return [a for v in values for a in v.split(",") if a]
 
@@ -80,7 +85,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout)
     policy = FetchPolicy(args.max_image_bytes, tuple(args.allow_file_dir), args.allow_http)
-    return ProxyApp(dispatcher, model, policy).build()
+    return ProxyApp(dispatcher, model, policy, args.drain_timeout).build()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stages.proxy: error: {exc}", file=sys.stderr)
         return 1
     try:
-        # aiohttp's graceful exit: it stops listening, then waits up to
-        # shutdown_timeout for the handlers in flight (streams too) before
-        # cancelling them; the dispatcher closes only after that (on_cleanup).
+        # aiohttp's graceful exit stops listening, then runs our drain (on
+        # shutdown), which ends every request; HANDLER_GRACE_S is for their
+        # handlers to write those last words before aiohttp cancels them.
         web.run_app(app, host=args.host, port=args.port, print=None, access_log=None,
-                    shutdown_timeout=args.drain_timeout)
+                    shutdown_timeout=HANDLER_GRACE_S)
     except OSError as exc:   # the HTTP port is taken (or not ours to bind)
         print(f"stages.proxy: error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

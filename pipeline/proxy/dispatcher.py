@@ -231,6 +231,11 @@ class Dispatcher:
             return
         self._fail(flight, f"image could not be encoded: {failed.reason}", 500 if failed.retryable else 400)
 
+    def fail_all(self, reason: str, status: int) -> None:
+        """End every request in flight with an error (a proxy that stops)."""
+        for flight in list(self.flights.values()):
+            self._fail(flight, reason, status)
+
     def _fail(self, flight: Flight, reason: str, status: int) -> None:
         request_id = flight.work.request.request_id
         self.abort(request_id)

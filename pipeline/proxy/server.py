@@ -21,15 +21,18 @@ from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
 MAX_BODY = 64 << 20
 CLIENT_CHECK_S = 1.0     # how often hung-up clients are looked for
 CLIENT_GONE = object()   # put in a request's delta queue when its client hung up
+DRAIN_POLL_S = 0.05      # how often a stopping proxy looks whether its requests are done
 
 log = logging.getLogger("epd.proxy")
 
 
 class ProxyApp:
-    def __init__(self, dispatcher: Dispatcher, model: ModelInfo, policy: FetchPolicy) -> None:
+    def __init__(self, dispatcher: Dispatcher, model: ModelInfo, policy: FetchPolicy,
+                 drain_timeout: float = 30.0) -> None:
         self.dispatcher = dispatcher
         self.model = model
         self.policy = policy
+        self.drain_timeout = drain_timeout   # on stop, for the requests in flight
         self.metrics = ProxyMetrics(dispatcher)
         dispatcher.on_finish = self._record
         self.session = None
@@ -42,7 +45,7 @@ class ProxyApp:
                         web.get("/v1/models", self.models), web.get("/health", self.health),
                         web.get("/metrics", self.metrics_page)])
         app.on_startup.append(self._start)
-        app.on_shutdown.append(self._draining)
+        app.on_shutdown.append(self._drain)
         app.on_cleanup.append(self._stop)
         return app
 
@@ -54,10 +57,21 @@ class ProxyApp:
 
             self.session = aiohttp.ClientSession()
 
-    async def _draining(self, app) -> None:
-        """Stopping: no longer listening; what is in flight may finish."""
+    async def _drain(self, app) -> None:
+        """Stopping, and no longer listening: the requests in flight get
+        `drain_timeout` to finish. Those still running then end with a 503
+        their clients can read (an error event in a stream), not a cut
+        connection, and their generators stop them."""
+        if not self.dispatcher.flights:
+            return
+        log.info("stopping: %d request(s) in flight may finish", len(self.dispatcher.flights))
+        deadline = time.monotonic() + self.drain_timeout
+        while self.dispatcher.flights and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
         if self.dispatcher.flights:
-            log.info("stopping: %d request(s) in flight may finish", len(self.dispatcher.flights))
+            log.warning("stopping: %d request(s) did not finish within %g s; they end with an error",
+                        len(self.dispatcher.flights), self.drain_timeout)
+            self.dispatcher.fail_all("the server stopped before this request finished", 503)
 
     async def _stop(self, app) -> None:
         if self._client_watch is not None:
