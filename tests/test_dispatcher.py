@@ -4,12 +4,16 @@ and the test plays their replies."""
 from __future__ import annotations
 
 import asyncio
+import time
 
+import pytest
 import zmq
 import zmq.asyncio
 
 from pipeline import protocol, transport
+from pipeline.proxy.api_types import ApiError
 from pipeline.proxy.dispatcher import Dispatcher, Work, parse_wire_id, wire_id
+from pipeline.proxy.server import ProxyApp
 
 GENERATORS = ["inproc://g0", "inproc://g1"]
 ENCODER = "inproc://e0"
@@ -124,6 +128,40 @@ def test_a_request_that_keeps_losing_its_generator_fails_instead_of_moving_on():
             assert delta.status == 503 and "lost its generator 2 times" in delta.error
             assert flight.deltas.get_nowait() is delta
             assert all(load == 0 for load in dispatcher.load.values())
+        finally:
+            stages.close()
+            await dispatcher.close()
+            ctx.term()
+
+    asyncio.run(scenario())
+
+
+def test_a_stopping_proxy_ends_what_outlasts_its_drain_and_sends_nothing_more():
+    """The drain over, a request still running ends with a 503 its client can
+    read and is stopped at its generator; one still being read (it was not
+    sent on yet) is refused instead of sent."""
+    async def scenario():
+        ctx = zmq.asyncio.Context()
+        stages = Stages(ctx)
+        dispatcher = Dispatcher(ctx, "inproc://proxy", [ENCODER], GENERATORS, aggregated=False)
+        app = ProxyApp(dispatcher, model=None, policy=None, drain_timeout=0.2)
+        try:
+            for address in GENERATORS + [ENCODER]:
+                dispatcher._on_message(stats(address, "first"))
+            flight = dispatcher.submit(work("r", max_tokens=10))
+            stages.received(flight.generator)
+            app.handling = 2     # the handlers of "r" and of "s" below
+            started = time.monotonic()
+            await app._drain(None)
+            assert time.monotonic() - started >= 0.2 and app.stopping
+            delta = flight.deltas.get_nowait()
+            assert delta.finished and delta.status == 503 and "server stopped" in delta.error
+            (abort,) = stages.received(flight.generator)
+            assert isinstance(abort, protocol.AbortRequest) and abort.request_ids == ("r",)
+            assert not dispatcher.flights and all(load == 0 for load in dispatcher.load.values())
+            with pytest.raises(ApiError, match="stopped before this request was sent on"):
+                await app._serve(None, None, work("s", max_tokens=4), chat=True)
+            assert not dispatcher.flights and not any(stages.received(a) for a in GENERATORS)
         finally:
             stages.close()
             await dispatcher.close()

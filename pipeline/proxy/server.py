@@ -33,6 +33,8 @@ class ProxyApp:
         self.model = model
         self.policy = policy
         self.drain_timeout = drain_timeout   # on stop, for the requests in flight
+        self.handling = 0          # HTTP requests being handled, from parsing to the last byte
+        self.stopping = False      # the drain is over: nothing more is sent to the stages
         self.metrics = ProxyMetrics(dispatcher)
         dispatcher.on_finish = self._record
         self.session = None
@@ -58,19 +60,20 @@ class ProxyApp:
             self.session = aiohttp.ClientSession()
 
     async def _drain(self, app) -> None:
-        """Stopping, and no longer listening: the requests in flight get
+        """Stopping, and no longer listening: the requests being handled get
         `drain_timeout` to finish. Those still running then end with a 503
         their clients can read (an error event in a stream), not a cut
         connection, and their generators stop them."""
-        if not self.dispatcher.flights:
+        if not self.handling:
             return
-        log.info("stopping: %d request(s) in flight may finish", len(self.dispatcher.flights))
+        log.info("stopping: %d request(s) in flight may finish", self.handling)
         deadline = time.monotonic() + self.drain_timeout
-        while self.dispatcher.flights and time.monotonic() < deadline:
+        while self.handling and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        if self.dispatcher.flights:
+        if self.handling:
             log.warning("stopping: %d request(s) did not finish within %g s; they end with an error",
-                        len(self.dispatcher.flights), self.drain_timeout)
+                        self.handling, self.drain_timeout)
+            self.stopping = True
             self.dispatcher.fail_all("the server stopped before this request finished", 503)
 
     async def _stop(self, app) -> None:
@@ -82,12 +85,15 @@ class ProxyApp:
 
     @web.middleware
     async def _errors(self, request, handler):
+        self.handling += 1
         try:
             return await handler(request)
         except ApiError as exc:
             self.metrics.requests.labels("rejected").inc()
             headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
             return web.json_response(exc.body(), status=exc.status, headers=headers)
+        finally:
+            self.handling -= 1
 
     # ------------------------------------------------------------ endpoints
 
@@ -120,6 +126,8 @@ class ProxyApp:
     # -------------------------------------------------------------- serving
 
     async def _serve(self, request: web.Request, req, work, chat: bool) -> web.StreamResponse:
+        if self.stopping:    # it was still reading its images when the drain ended
+            raise ApiError("the server stopped before this request was sent on", status=503, kind="server_busy")
         flight = self.dispatcher.submit(work)
         rid = work.request.request_id
         self._clients[rid] = (request, flight)
