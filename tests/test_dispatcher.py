@@ -1,5 +1,5 @@
-"""The proxy's dispatcher on its own: real sockets stand in for the stages,
-and the test plays their replies."""
+"""The proxy's dispatcher on its own (and the HTTP app's drain on top of
+it): real sockets stand in for the stages, and the test plays their replies."""
 
 from __future__ import annotations
 
