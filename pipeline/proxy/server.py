@@ -85,6 +85,8 @@ class ProxyApp:
 
     @web.middleware
     async def _errors(self, request, handler):
+        """Around every request: counted while handled (the drain waits for
+        them), and an ApiError becomes its OpenAI-style JSON response."""
         self.handling += 1
         try:
             return await handler(request)
