@@ -4,6 +4,7 @@ requests through the official openai SDK."""
 from __future__ import annotations
 
 import base64
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -55,13 +56,32 @@ def chat(stack, images, text, stream=False, max_tokens=16, **extra):
 IMAGES = {n: [image_bytes(random_image(80 + 40 * i, 120 - 10 * i, seed=50 + i)) for i in range(n)] for n in (0, 1, 2)}
 
 
+def long_requests(stack, n: int, max_tokens: int, disturb) -> list[tuple[str | None, object]]:
+    """n streamed image chats; once every one is generating, `disturb()`.
+    Asserts that each was still running then (it ended after the
+    disturbance began), so the disturbance hit it in flight however fast
+    the machine decodes. Returns (finish reason, usage) per request."""
+    generating = [threading.Event() for _ in range(n)]
 
-def long_requests(stack, n: int, max_tokens: int, disturb) -> list:
-    """n streamed requests that run long enough for `disturb()` to hit them."""
+    def one(i: int):
+        chunks = client(stack).chat.completions.create(
+            model="tiny", messages=chat_messages(IMAGES[1], f"long {i}"), max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        reason, usage = None, None
+        for chunk in chunks:
+            if chunk.choices:
+                if chunk.choices[0].delta.content:
+                    generating[i].set()
+                reason = chunk.choices[0].finish_reason or reason
+            if chunk.usage:
+                usage = chunk.usage
+        return reason, usage, time.monotonic()
+
     with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(chat, stack, IMAGES[1], f"long {i}", stream=True, max_tokens=max_tokens,
-                               ignore_eos=True) for i in range(n)]
-        time.sleep(1.5)     # all running: least-loaded routing spread them over the generators
+        futures = [pool.submit(one, i) for i in range(n)]
+        assert all(event.wait(60) for event in generating), "not every request started generating"
+        disturbed_at = time.monotonic()
         disturb()
-        return [f.result(timeout=50) for f in futures]
-
+        results = [f.result(timeout=90) for f in futures]
+    assert all(ended > disturbed_at for _, _, ended in results), "a request ended before the disturbance"
+    return [(reason, usage) for reason, usage, _ in results]

@@ -117,7 +117,7 @@ def test_client_aborts_leave_nothing_held(epd):
     def abandon(i):
         try:
             with httpx.stream("POST", epd.base_url + "/v1/chat/completions", timeout=30, json={
-                    "model": "tiny", "messages": chat_messages(IMAGES[1], f"long {i}"), "max_tokens": 4000,
+                    "model": "tiny", "messages": chat_messages(IMAGES[1], f"long {i}"), "max_tokens": 7000,
                     "stream": True, "ignore_eos": True}) as r:
                 for n, _ in enumerate(r.iter_lines()):
                     if n > 3:
@@ -125,6 +125,7 @@ def test_client_aborts_leave_nothing_held(epd):
         except httpx.HTTPError:
             pass
 
+    aborted = epd.total("epd_requests_total", status="aborted")
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(abandon, range(8)))
     deadline = time.monotonic() + 30
@@ -136,6 +137,8 @@ def test_client_aborts_leave_nothing_held(epd):
     assert epd.total("epd_kv_blocks_used") == 0
     assert epd.total("epd_arena_leases") == 0
     assert epd.total("epd_running_requests") == 0
+    # Freed because the clients hung up, not because 7000 tokens were done.
+    assert epd.total("epd_requests_total", status="aborted") - aborted == 8
 
 
 @pytest.mark.parametrize("body,status,fragment", [

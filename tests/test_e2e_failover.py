@@ -87,9 +87,9 @@ def test_a_generator_that_stalls_past_the_timeout_then_wakes_sends_no_stale_toke
         time.sleep(5.0)
         epd.procs["gen0"].send_signal(signal.SIGCONT)
 
-    results = long_requests(epd, 6, 300, stall)
-    assert [(usage.completion_tokens, reason) for _, reason, usage in results] == [(300, "length")] * 6
-    assert epd.total("epd_generation_tokens_total") - before == 6 * 300
+    results = long_requests(epd, 6, 3000, stall)
+    assert [(usage.completion_tokens, reason) for reason, usage in results] == [(3000, "length")] * 6
+    assert epd.total("epd_generation_tokens_total") - before == 6 * 3000
     epd.wait_healthy()
     time.sleep(1.5)     # stats are polled
     assert epd.total("epd_running_requests") == 0
@@ -116,8 +116,8 @@ def test_requests_survive_a_generator_that_dies_and_is_back_before_it_looks_down
         patient.stop_stage("gen0", signal.SIGKILL)
         patient.restart_stage("gen0")
 
-    results = long_requests(patient, 4, 200, kill_and_restart)
-    assert [(usage.completion_tokens, reason) for _, reason, usage in results] == [(200, "length")] * 4
+    results = long_requests(patient, 4, 2000, kill_and_restart)
+    assert [(usage.completion_tokens, reason) for reason, usage in results] == [(2000, "length")] * 4
     patient.wait_healthy()
 
 
@@ -139,9 +139,9 @@ def test_encode_jobs_lost_with_an_encoder_that_is_back_before_it_looks_down_are_
 def test_a_restarted_proxy_makes_generators_drop_what_its_predecessor_asked_for(epd):
     """Requests of a proxy that died have no client left: once its next
     incarnation asks for stats, the generators abort them instead of
-    generating into the void (here 1000 tokens each, about 25 s)."""
+    generating into the void (here 7000 tokens each, many seconds)."""
     pool = ThreadPoolExecutor(3)
-    futures = [pool.submit(chat, epd, [], f"orphan {i}", stream=True, max_tokens=1000, ignore_eos=True)
+    futures = [pool.submit(chat, epd, [], f"orphan {i}", stream=True, max_tokens=7000, ignore_eos=True)
                for i in range(3)]
     time.sleep(1.5)
     assert epd.total("epd_running_requests") >= 1

@@ -177,7 +177,7 @@ def test_epd_and_aggregated_generators_match_offline_generation(stages, tiny_dir
         # An abort right behind an aggregated-mode request (whose images are
         # still being decoded) still stops it.
         big = image_bytes(random_image(1400, 1400, seed=5), "PNG")   # slow to decode: the abort overtakes it
-        proxy.request("agg-gone", "Go on.", [big], "agg", max_tokens=1000)
+        proxy.request("agg-gone", "Go on.", [big], "agg", max_tokens=4000)   # seconds, unless stopped
         proxy.out.send(addr["agg"], protocol.AbortRequest(("agg-gone",)))
         proxy.request("agg-after", "Next.", [], "agg")
         tokens, _ = proxy.collect(["agg-after"])
