@@ -146,11 +146,13 @@ def test_a_restarted_proxy_makes_generators_drop_what_its_predecessor_asked_for(
     time.sleep(1.5)
     assert epd.total("epd_running_requests") >= 1
     epd.stop_stage("proxy", signal.SIGKILL)
-    for future in futures:
-        with pytest.raises(Exception):
-            future.result(timeout=30)   # their proxy is gone
-    pool.shutdown()
-    epd.restart_stage("proxy")
+    try:
+        for future in futures:
+            with pytest.raises(Exception):
+                future.result(timeout=30)   # their proxy is gone
+    finally:    # whatever failed here, the tests after this one get a proxy
+        pool.shutdown()
+        epd.restart_stage("proxy")
     epd.wait_healthy()
     deadline = time.monotonic() + 8
     while time.monotonic() < deadline and (epd.total("epd_running_requests") or epd.total("epd_kv_blocks_used")):
