@@ -98,13 +98,8 @@ def test_a_generator_that_stalls_past_the_timeout_then_wakes_sends_no_stale_toke
 @pytest.fixture(scope="module")
 def patient(tiny_dir, tmp_path_factory):
     """A proxy whose down timeout (60 s) outlasts any restart here."""
-    stack = Stack(tmp_path_factory.mktemp("patient"), tiny_dir, encoders=1, generators=2,
-                  proxy_args=("--stage-timeout", "60"))
-    try:
-        stack.wait_healthy()
-        yield stack
-    finally:
-        stack.close()
+    yield from serving(Stack(tmp_path_factory.mktemp("patient"), tiny_dir, encoders=1, generators=2,
+                             proxy_args=("--stage-timeout", "60")))
 
 
 def test_requests_survive_a_generator_that_dies_and_is_back_before_it_looks_down(patient):
