@@ -4,6 +4,7 @@ it): real sockets stand in for the stages, and the test plays their replies."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -55,14 +56,26 @@ def work(request_id: str, max_tokens: int) -> Work:
     return Work(request, [job], 3 + max_tokens)
 
 
+@contextlib.asynccontextmanager
+async def dispatching(**options):
+    """A dispatcher whose stages (the sockets of `Stages`) have all answered
+    stats once, as incarnation "first"; closed with them afterwards."""
+    ctx = zmq.asyncio.Context()
+    stages = Stages(ctx)
+    dispatcher = Dispatcher(ctx, "inproc://proxy", [ENCODER], GENERATORS, aggregated=False, **options)
+    try:
+        for address in GENERATORS + [ENCODER]:
+            dispatcher._on_message(stats(address, "first"))
+        yield dispatcher, stages
+    finally:
+        stages.close()
+        await dispatcher.close()
+        ctx.term()
+
+
 def test_a_restarted_generator_gets_its_requests_again_and_stale_tokens_are_dropped():
     async def scenario():
-        ctx = zmq.asyncio.Context()
-        stages = Stages(ctx)
-        dispatcher = Dispatcher(ctx, "inproc://proxy", [ENCODER], GENERATORS, aggregated=False)
-        try:
-            for address in GENERATORS + [ENCODER]:
-                dispatcher._on_message(stats(address, "first"))
+        async with dispatching() as (dispatcher, stages):
             flight = dispatcher.submit(work("r", max_tokens=10))
             home = flight.generator
             (sent,) = stages.received(home)
@@ -98,10 +111,6 @@ def test_a_restarted_generator_gets_its_requests_again_and_stale_tokens_are_drop
             dispatcher._on_message(stats(dispatcher.flights["s"].generator, "second"))
             assert dispatcher.flights["s"].attempt == 0
             assert not any(stages.received(a) for a in GENERATORS)
-        finally:
-            stages.close()
-            await dispatcher.close()
-            ctx.term()
 
     asyncio.run(scenario())
 
@@ -110,14 +119,9 @@ def test_a_request_that_keeps_losing_its_generator_fails_instead_of_moving_on():
     """Two generators restart under one request in turn: the second time it
     is not sent again (it may be what kills them), it fails with a 503."""
     async def scenario():
-        ctx = zmq.asyncio.Context()
-        stages = Stages(ctx)
-        dispatcher = Dispatcher(ctx, "inproc://proxy", [ENCODER], GENERATORS, aggregated=False, max_attempts=2)
-        ended = []
-        dispatcher.on_finish = lambda flight, delta: ended.append(delta)
-        try:
-            for address in GENERATORS + [ENCODER]:
-                dispatcher._on_message(stats(address, "first"))
+        async with dispatching(max_attempts=2) as (dispatcher, stages):
+            ended = []
+            dispatcher.on_finish = lambda flight, delta: ended.append(delta)
             flight = dispatcher.submit(work("p", max_tokens=10))
             first = flight.generator
             dispatcher._on_message(stats(first, "second"))
@@ -128,10 +132,6 @@ def test_a_request_that_keeps_losing_its_generator_fails_instead_of_moving_on():
             assert delta.status == 503 and "lost its generator 2 times" in delta.error
             assert flight.deltas.get_nowait() is delta
             assert all(load == 0 for load in dispatcher.load.values())
-        finally:
-            stages.close()
-            await dispatcher.close()
-            ctx.term()
 
     asyncio.run(scenario())
 
@@ -141,13 +141,8 @@ def test_a_stopping_proxy_ends_what_outlasts_its_drain_and_sends_nothing_more():
     read and is stopped at its generator; one still being read (it was not
     sent on yet) is refused instead of sent."""
     async def scenario():
-        ctx = zmq.asyncio.Context()
-        stages = Stages(ctx)
-        dispatcher = Dispatcher(ctx, "inproc://proxy", [ENCODER], GENERATORS, aggregated=False)
-        app = ProxyApp(dispatcher, model=None, policy=None, drain_timeout=0.2)
-        try:
-            for address in GENERATORS + [ENCODER]:
-                dispatcher._on_message(stats(address, "first"))
+        async with dispatching() as (dispatcher, stages):
+            app = ProxyApp(dispatcher, model=None, policy=None, drain_timeout=0.2)
             flight = dispatcher.submit(work("r", max_tokens=10))
             stages.received(flight.generator)
             app.handling = 2     # the handlers of "r" and of "s" below
@@ -162,9 +157,5 @@ def test_a_stopping_proxy_ends_what_outlasts_its_drain_and_sends_nothing_more():
             with pytest.raises(ApiError, match="stopped before this request was sent on"):
                 await app._serve(None, None, work("s", max_tokens=4), chat=True)
             assert not dispatcher.flights and not any(stages.received(a) for a in GENERATORS)
-        finally:
-            stages.close()
-            await dispatcher.close()
-            ctx.term()
 
     asyncio.run(scenario())
