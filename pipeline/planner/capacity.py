@@ -1,0 +1,270 @@
+"""The capacity arithmetic: a box's profile + a workload + a layout -> the
+highest request rate it sustains within the SLOs, and which stage bounds it.
+
+Pure functions of the numbers in a Profile (profile.py); no device is
+touched. The model, per the reference design's capacity section
+(R*I <= N_e/T_e, R <= N_pd*mu_p, R <= N_pd*mu_d), made concrete for
+continuous batching:
+
+- Requests spread evenly: each generator gets r = R/G requests/s, each
+  encoder R*I/E images/s.
+- An encoder is a batch server: while it runs a forward of b images the
+  next batch gathers, so in steady state b = lambda * T(b) (at least 1, at
+  most its token budget), and it is busy lambda * T(b) / b of the time. T
+  is the "beside" curve where its GPU also runs a generator (weighted by how
+  busy that generator is), "alone" otherwise. Busy >= 1: it cannot keep up.
+- A generator steps continuously. Each step of s seconds carries the B = r*O*s
+  sequences that are decoding (one token each, so TPOT ~ s), the prompt
+  tokens that arrived meanwhile (r*P*s, at t_p each) and, in aggregated
+  mode, the vision forward of the images that arrived (r*I*s). So
+  s = d(B) + r*P*s*t_p + V(s), solved as a fixed point; no solution (the
+  step grows without bound) means the generator cannot keep up. On a GPU
+  with encoders its costs are the alone costs blended with the beside ones
+  by the encoders' busy share; stages of one kind sharing a GPU split it.
+- TTFT = queueing (a wait that grows as rho/(1-rho), rho = the share of each
+  step beyond its fixed cost) + the encode latency + the prefill's steps.
+
+The highest rate is found by bisection on these constraints; `bound` names
+the one that fails just above it: encoder, generator (throughput), tpot,
+ttft or max_num_seqs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from pipeline.launch.placement import place_stages
+from pipeline.planner.profile import Profile, decode_step_s, prefill_s_per_token, vision_batch_s
+
+LAYOUT_KINDS = ("aggregated", "colocated", "dedicated")
+TEMPLATE_TOKENS = 20  # chat-template tokens around a user turn (Qwen's: ~20)
+MAX_STEP_S = 60.0  # a step this long means the generator's fixed point diverged
+RATE_CEILING = 1e5
+
+
+@dataclass(frozen=True)
+class Workload:
+    images: int  # per request
+    image_tokens: int  # visual tokens per image
+    input_len: int  # text tokens
+    output_len: int
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.images < 0 or self.input_len < 0 or self.image_tokens < 1 or self.output_len < 1:
+            raise ValueError("a workload needs images >= 0, input_len >= 0, image_tokens >= 1, output_len >= 1")
+        if not (self.slo_ttft_s > 0 and self.slo_tpot_s > 0):
+            raise ValueError("SLOs must be > 0")
+
+    @property
+    def prompt_tokens(self) -> int:
+        # Each image's run of placeholders sits between a start and an end token.
+        return self.input_len + self.images * (self.image_tokens + 2) + TEMPLATE_TOKENS
+
+
+@dataclass(frozen=True)
+class Layout:
+    encoders: int
+    generators: int
+    placement: str  # aggregated, colocated or dedicated
+    gpus: int
+
+    def __post_init__(self) -> None:
+        if self.placement not in LAYOUT_KINDS:
+            raise ValueError(f"placement must be one of {', '.join(LAYOUT_KINDS)}")
+        if self.generators < 1 or self.gpus < 1 or self.encoders < 0:
+            raise ValueError("a layout needs generators >= 1, gpus >= 1, encoders >= 0")
+        if (self.placement == "aggregated") != (self.encoders == 0):
+            raise ValueError("aggregated layouts, and only they, have no encoders")
+
+    def stage_gpus(self) -> tuple[list[int], list[int]]:
+        """(GPU of each encoder, GPU of each generator)."""
+        gpus = tuple(range(self.gpus))
+        placement = "dedicated" if self.placement == "aggregated" else self.placement
+        devices = place_stages(self.encoders, self.generators, gpus, placement)
+        return devices[:self.encoders], devices[self.encoders:]
+
+    @property
+    def name(self) -> str:
+        if self.placement == "aggregated":
+            return f"aggregated {self.generators}G on {self.gpus} GPU(s)"
+        return f"{self.placement} {self.encoders}E+{self.generators}G on {self.gpus} GPU(s)"
+
+
+@dataclass
+class Evaluation:
+    """One rate's verdict: `failed` names the first constraint it breaks."""
+
+    rate: float
+    failed: str | None = None
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    max_rate: float
+    bound: str
+    detail: dict
+
+    def as_json(self) -> dict:
+        return {**asdict(self.layout), "name": self.layout.name, "max_rate": round(self.max_rate, 3),
+                "bound": self.bound, "at_max": self.detail}
+
+
+def evaluate(profile: Profile, workload: Workload, layout: Layout, rate: float) -> Evaluation:
+    """Whether `layout` sustains `rate` requests/s of `workload` within its SLOs."""
+    encoder_gpus, generator_gpus = layout.stage_gpus()
+    result = Evaluation(rate)
+    generator_busy = 1.0  # first pass: encoders beside a fully busy generator
+    for _ in range(3):   # the two sides' busy shares depend on each other; 3 passes settle them
+        encoders = [_encoder(profile, workload, layout, gpu, encoder_gpus, generator_gpus, rate, generator_busy)
+                    for gpu in encoder_gpus]
+        if any(e["busy"] >= 1.0 for e in encoders):
+            return Evaluation(rate, "encoder", {"encoders": encoders})
+        generators = [_generator(profile, workload, layout, gpu, encoder_gpus, generator_gpus, encoders, rate)
+                      for gpu in generator_gpus]
+        generator_busy = max(g.get("busy", 1.0) for g in generators)
+    result.detail = {"encoders": encoders, "generators": generators}
+    for generator in generators:
+        if generator.get("failed"):
+            result.failed = generator["failed"]
+            break
+    return result
+
+
+def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, encoder_gpus: list[int],
+             generator_gpus: list[int], rate: float, generator_busy: float) -> dict:
+    images_per_s = rate * workload.images / layout.encoders
+    if images_per_s == 0:
+        return {"gpu": gpu, "busy": 0.0, "batch": 0.0, "latency_s": 0.0}
+    share = encoder_gpus.count(gpu)  # encoders sharing a GPU split it
+    beside = min(1.0, generator_busy) if gpu in generator_gpus else 0.0
+    max_batch = max(1, profile.limits.encoder_max_batch_tokens // workload.image_tokens)
+
+    def forward_s(batch: float) -> float:
+        alone = vision_batch_s(profile, workload.image_tokens, batch)
+        with_generator = vision_batch_s(profile, workload.image_tokens, batch, beside=True)
+        return share * ((1 - beside) * alone + beside * with_generator)
+
+    batch = 1.0
+    for _ in range(100):
+        batch = min(max_batch, max(1.0, images_per_s * forward_s(batch)))
+    busy = images_per_s * forward_s(batch) / batch
+    # A forward in progress delays the next batch by up to one forward; the
+    # queue grows as busy -> 1.
+    latency = forward_s(batch) * (1.0 + busy / (2.0 * max(1e-9, 1.0 - busy)))
+    return {"gpu": gpu, "busy": busy, "batch": batch, "latency_s": latency}
+
+
+def _generator(profile: Profile, workload: Workload, layout: Layout, gpu: int, encoder_gpus: list[int],
+               generator_gpus: list[int], encoders: list[dict], rate: float) -> dict:
+    r = rate / layout.generators
+    share = generator_gpus.count(gpu)
+    encoder_busy = min(1.0, sum(e["busy"] for e, g in zip(encoders, encoder_gpus) if g == gpu))
+
+    def blend(alone: float, beside: float) -> float:
+        return share * ((1 - encoder_busy) * alone + encoder_busy * beside)
+
+    t_p = blend(prefill_s_per_token(profile), prefill_s_per_token(profile, beside=True))
+    load = r * workload.prompt_tokens * t_p  # share of every step spent on prefill
+    out = {"gpu": gpu, "encoder_busy_beside": encoder_busy, "prefill_share": load}
+    if load >= 1.0:
+        return {**out, "failed": "generator", "busy": 1.0}
+    step = decode_step_s(profile, 1)
+    for _ in range(200):
+        batch = r * workload.output_len * step
+        decode = blend(decode_step_s(profile, batch), decode_step_s(profile, batch, beside=True))
+        vision = share * _inline_vision_s(profile, workload, layout, r, step)
+        new = (decode + vision) / (1.0 - load)
+        converged = abs(new - step) <= 1e-9 * max(1.0, new)
+        step = new
+        if converged or step > MAX_STEP_S:
+            break
+    batch = r * workload.output_len * step
+    fixed = blend(decode_step_s(profile, 1), decode_step_s(profile, 1, beside=True))
+    busy = max(0.0, min(1.0, 1.0 - fixed / step))
+    out.update(step_s=step, decode_batch=batch, busy=busy)
+    if step > MAX_STEP_S or not converged:
+        return {**out, "failed": "generator"}
+    if batch > profile.limits.max_num_seqs:
+        return {**out, "failed": "max_num_seqs"}
+    if step > workload.slo_tpot_s:
+        return {**out, "failed": "tpot"}
+    ttft = _ttft_s(profile, workload, step, batch, busy, encoders, encoder_gpus)
+    out["ttft_s"] = ttft
+    if ttft > workload.slo_ttft_s:
+        return {**out, "failed": "ttft"}
+    return out
+
+
+def _inline_vision_s(profile: Profile, workload: Workload, layout: Layout, r: float, step: float) -> float:
+    """Aggregated mode: vision seconds per step for the images that arrive
+    during one step, encoded inside the step under the local-encode budget."""
+    if layout.placement != "aggregated" or workload.images == 0:
+        return 0.0
+    images = r * workload.images * step
+    per_step = max(1, profile.limits.local_encode_tokens // workload.image_tokens)
+    if images <= 1.0:  # a fraction of the steps carries one image
+        return images * vision_batch_s(profile, workload.image_tokens, 1)
+    if images <= per_step:
+        return vision_batch_s(profile, workload.image_tokens, images)
+    return images / per_step * vision_batch_s(profile, workload.image_tokens, per_step)
+
+
+def _ttft_s(profile: Profile, workload: Workload, step: float, batch: float, busy: float,
+            encoders: list[dict], encoder_gpus: list[int]) -> float:
+    chunk = max(1.0, profile.limits.max_num_batched_tokens - batch)
+    prefill = math.ceil(workload.prompt_tokens / chunk) * step
+    queue = busy / max(1e-9, 1.0 - busy) * step / 2.0
+    encode = max((e["latency_s"] for e in encoders), default=0.0)
+    return queue + encode + prefill
+
+
+def predict(profile: Profile, workload: Workload, layout: Layout) -> Prediction:
+    """The highest sustainable rate, to about 0.1%, by bisection."""
+    low, high = 0.0, 1.0
+    while evaluate(profile, workload, layout, high).failed is None:
+        low, high = high, high * 2
+        if high > RATE_CEILING:
+            return Prediction(layout, math.inf, "none", {})
+    while high - low > 1e-3 * max(high, 1e-9):
+        middle = (low + high) / 2
+        if evaluate(profile, workload, layout, middle).failed is None:
+            low = middle
+        else:
+            high = middle
+    bound = evaluate(profile, workload, layout, high).failed or "none"
+    detail = _rounded(evaluate(profile, workload, layout, low).detail) if low > 0 else {}
+    return Prediction(layout, low, bound, detail)
+
+
+def candidate_layouts(gpus: int) -> list[Layout]:
+    """Aggregated on every GPU; colocated with 1..N encoders beside N
+    generators; dedicated with 1..N-1 encoder GPUs."""
+    layouts = [Layout(0, gpus, "aggregated", gpus)]
+    layouts += [Layout(e, gpus, "colocated", gpus) for e in range(1, gpus + 1)]
+    layouts += [Layout(e, gpus - e, "dedicated", gpus) for e in range(1, gpus)]
+    return layouts
+
+
+def plan(profile: Profile, workload: Workload, layouts: list[Layout]) -> tuple[list[Prediction], Prediction]:
+    """Every layout's prediction and the chosen one: the highest rate; within
+    1% of it, the simplest (aggregated, then fewer encoders)."""
+    predictions = [predict(profile, workload, layout) for layout in layouts]
+    best = max(p.max_rate for p in predictions)
+    close = [p for p in predictions if p.max_rate >= best * 0.99]
+    chosen = min(close, key=lambda p: (p.layout.placement != "aggregated", p.layout.encoders, -p.max_rate))
+    return predictions, chosen
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return round(value, 5)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value

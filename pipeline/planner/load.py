@@ -1,0 +1,70 @@
+"""The load child of `bin/epd-plan --profile-out`: keeps a device busy with one
+kind of work until it is stopped, so the parent can time the other kind
+beside it.
+
+    python -m pipeline.planner.load --role generator|vision --device cuda:0 [...]
+
+generator: a loaded generator's steps: 32 sequences decoding while a new
+1500-token prompt is prefilled in every step (mixed steps, as under load:
+it fits the default 2048-token budget beside the decodes).
+vision: back-to-back vision forwards of 8 images of --width x --height.
+Prints READY once the loop runs; SIGTERM stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline.planner.measure import READY, Box, MeasureSettings
+
+DECODING = 32
+VISION_BATCH = 8
+PREFILL = 1500
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pipeline.planner.load", description=__doc__.splitlines()[0])
+    p.add_argument("--role", choices=("generator", "vision"), required=True)
+    p.add_argument("--device", required=True)
+    p.add_argument("--dtype", required=True)
+    p.add_argument("--model", type=Path)
+    p.add_argument("--random-weights")
+    p.add_argument("--width", type=int, default=640)
+    p.add_argument("--height", type=int, default=640)
+    p.add_argument("--context-len", type=int, default=1024)
+    p.add_argument("--vision-graphs", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    settings = MeasureSettings(args.model, args.random_weights, "load", args.device, args.dtype,
+                               image_sizes=((args.width, args.height),), context_len=args.context_len,
+                               vision_graphs=args.vision_graphs, beside=False)
+    box = Box(settings, vision=args.role == "vision", engine=args.role == "generator")
+    if args.role == "vision":
+        pixels, grids = box.vision_input(args.width, args.height, VISION_BATCH)
+        work = lambda: box.vision(pixels, grids)  # noqa: E731
+    else:
+        for _ in range(DECODING):
+            box.add(args.context_len, 1_000_000)
+        work = lambda: (box.add(PREFILL, 1), box.engine.step())  # noqa: E731
+    with torch.inference_mode():
+        work()
+        box.sync()
+        print(READY, flush=True)
+        while not stopping:
+            work()
+            box.sync()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,166 @@
+"""A box's profile: what `bin/epd-plan --profile-out` measured, as JSON.
+
+The capacity planner (capacity.py) predicts from these numbers alone, so the
+format is the contract between measuring and planning (README: "Capacity
+planner"). All times are seconds of wall time with the GPU drained, medians
+of repeats. "beside" is the same work while another process keeps the same
+GPU busy with the other kind of work (under MPS when `mps` is true): a
+generator running mixed prefill/decode steps beside vision forwards, a
+vision loop beside the generator's steps.
+
+Decoded with msgspec against these Structs, so a malformed file is refused
+with the field's path in the message, never half-read.
+"""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import msgspec
+
+FORMAT = "epd-profile/1"
+
+
+class VisionPoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    width: int
+    height: int
+    tokens: int  # visual tokens per image the language model sees (after merging)
+    batch: int  # images per forward
+    alone_s: float  # one forward of the whole batch
+    beside_s: float | None = None
+
+
+class DecodePoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    batch: int  # sequences decoding in one step
+    alone_s: float  # one decode step
+    beside_s: float | None = None
+
+
+class PrefillPoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    tokens: int  # prompt tokens in one prefill-only step
+    alone_s: float
+    beside_s: float | None = None
+
+
+class EngineLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_num_batched_tokens: int  # a step's token budget (prefill chunks + decodes)
+    max_num_seqs: int  # sequences per step
+    encoder_max_batch_tokens: int  # visual tokens per encoder forward
+    local_encode_tokens: int  # aggregated mode: visual tokens a generator encodes per step
+
+
+class ImageGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The model's image processor settings: visual tokens of any image size."""
+
+    patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+
+
+class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    format: str
+    model_id: str
+    device_name: str  # torch's name of the GPU ("cpu" for a CPU profile)
+    gpu_count: int
+    dtype: str
+    mps: bool  # the "beside" figures were measured under MPS
+    vision_graphs: int  # the vision forwards' --vision-graphs (0: eager)
+    limits: EngineLimits
+    image: ImageGeometry
+    vision: list[VisionPoint]
+    decode: list[DecodePoint]
+    prefill: list[PrefillPoint]
+    created: str = ""
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.format != FORMAT:
+            raise msgspec.ValidationError(f"format must be {FORMAT!r} (got {self.format!r})")
+        for name in ("vision", "decode", "prefill"):
+            if not getattr(self, name):
+                raise msgspec.ValidationError(f"`{name}` must hold at least one measurement")
+        for point in [*self.vision, *self.decode, *self.prefill]:
+            times = [point.alone_s] + ([point.beside_s] if point.beside_s is not None else [])
+            if not all(t > 0 for t in times):
+                raise msgspec.ValidationError(f"every time must be > 0 seconds (got {point})")
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; one line naming the file and why."""
+
+
+def load_profile(path: Path) -> Profile:
+    try:
+        return msgspec.json.decode(Path(path).read_bytes(), type=Profile)
+    except OSError as exc:
+        raise ProfileError(f"{path}: {exc.strerror or exc}") from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProfileError(f"{path}: not an EPD profile: {exc}") from None
+
+
+def save_profile(profile: Profile, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(profile), indent=2) + b"\n")
+
+
+# ---- reading the curves -------------------------------------------------------
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear y(x) through (x, y) points sorted by x; beyond the
+    ends, the nearest segment's line (the two end points' slope), never
+    below zero. One point: y proportional to x through the origin."""
+    if len(points) == 1:
+        x0, y0 = points[0]
+        return y0 * x / x0
+    xs = [p[0] for p in points]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def _time(point, beside: bool) -> float:
+    return point.beside_s if beside and point.beside_s is not None else point.alone_s
+
+
+def decode_step_s(profile: Profile, batch: float, beside: bool = False) -> float:
+    """One decode step of `batch` sequences."""
+    points = sorted((p.batch, _time(p, beside)) for p in profile.decode)
+    return interpolate(points, max(1.0, batch)) if len(points) > 1 else points[0][1]
+
+
+def prefill_s_per_token(profile: Profile, beside: bool = False) -> float:
+    """Prompt tokens cost this each in a full chunk (the largest measured
+    prefill step, the one chunked prefill runs at under load)."""
+    point = max(profile.prefill, key=lambda p: p.tokens)
+    return _time(point, beside) / point.tokens
+
+
+def vision_batch_s(profile: Profile, tokens: int, batch: float, beside: bool = False) -> float:
+    """One vision forward of `batch` images of `tokens` visual tokens each.
+
+    Measured at a few image sizes and batches. Forward time is taken as a
+    function of the batch's visual tokens (images x tokens): that is what
+    the tower's matmuls scale with; a fixed per-forward cost (the launches
+    of an eager forward) shows as the curve's intercept."""
+    points = sorted({(p.tokens * p.batch, _time(p, beside)) for p in profile.vision})
+    merged: dict[float, float] = {}
+    for x, y in points:  # two sizes at one token count: keep their mean
+        merged[x] = (merged[x] + y) / 2 if x in merged else y
+    return interpolate(sorted(merged.items()), max(1.0, batch) * tokens)
+
+
+def image_tokens(profile: Profile, width: int, height: int) -> int:
+    """Visual tokens of a width x height image for the profiled model."""
+    from pipeline.processing.image import ImageProcessorConfig, num_visual_tokens
+
+    g = profile.image
+    config = ImageProcessorConfig(patch_size=g.patch_size, merge_size=g.merge_size, min_pixels=g.min_pixels,
+                                  max_pixels=g.max_pixels)
+    return num_visual_tokens(height, width, config)
+
+
+def has_beside(profile: Profile) -> bool:
+    return any(p.beside_s is not None for p in [*profile.vision, *profile.decode, *profile.prefill])
