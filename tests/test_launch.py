@@ -1,6 +1,7 @@
 """The launcher's supervisor, driving stand-in stages (a tiny script per
 role; the "proxy" serves /health) in a launcher process of its own, so
-signals to it never reach pytest."""
+signals to it never reach pytest. test_mps.py drives the same harness with
+an MpsConfig."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ role, flags = sys.argv[1], sys.argv[2:]
 def flag(name):
     return flags[flags.index(name) + 1] if name in flags else None
 instance = flag("--instance") or role
-(HERE / "pids" / f"{instance}.{os.getpid()}").touch()
+(HERE / "pids" / f"{instance}.{os.getpid()}").write_text(json.dumps(dict(os.environ)))  # for test_mps
 rules = json.loads((HERE / "behaviour.json").read_text()).get(instance, {})
 print(f"stand-in {instance} up", flush=True)
 if "exit" in rules:
@@ -52,6 +53,9 @@ if role == "proxy":
             pass
     ThreadingHTTPServer((flag("--host"), int(flag("--port"))), Health).serve_forever(0.05)
 while True:
+    if "exit_on" in rules and (HERE / rules["exit_on"]).exists():  # once: the cue file goes
+        (HERE / rules["exit_on"]).unlink()
+        sys.exit(3)
     if "exit_after_ready" in rules and (HERE / "ready").exists():
         time.sleep(0.3)
         sys.exit(rules["exit_after_ready"])
@@ -63,6 +67,7 @@ import json, sys
 from pathlib import Path
 cfg = json.loads(sys.argv[1])
 sys.path.insert(0, cfg["repo"])
+from pipeline.launch.mps import MpsConfig
 from pipeline.launch.plan import HostFacts, LaunchOptions, http_url, plan_stages
 from pipeline.launch.supervisor import SupervisorConfig, run_supervisor
 
@@ -70,11 +75,16 @@ here = Path(cfg["dir"])
 options = LaunchOptions(cfg["encoders"], cfg["generators"], here / "run", port=cfg["port"])
 specs = plan_stages(options, HostFacts(0, here / "tiny-model"))
 stand_in = (sys.executable, str(here / "stand_in.py"))
+mps = None
+if cfg["mps"] is not None:  # every model stage is a client, as if all shared cuda:0
+    mps = MpsConfig(here / "run" / "mps", frozenset(s.instance for s in specs if s.role != "proxy"),
+                    required=cfg["mps"]["required"], encoder_sm_percent=cfg["mps"]["sm_percent"],
+                    encoders=frozenset(s.instance for s in specs if s.role == "encoder"), shared=("cuda:0",))
 config = SupervisorConfig(
     tuple(specs), http_url("127.0.0.1", cfg["port"], "/health"), http_url("127.0.0.1", cfg["port"], "/v1"),
     ready_timeout=cfg["ready_timeout"], stop_timeout=1.0, drain_timeout=cfg["drain_timeout"],
     restart_backoff=0.2, poll_interval=0.05,
-    max_restarts_per_minute=cfg["max_restarts"],
+    max_restarts_per_minute=cfg["max_restarts"], mps=mps,
     commands={role: (*stand_in, role) for role in ("encoder", "generator", "proxy")})
 sys.exit(run_supervisor(config))
 '''
@@ -90,7 +100,7 @@ class Launcher:
     """A supervisor process over stand-ins, its output collected by threads."""
 
     def __init__(self, folder: Path, behaviour: dict, encoders=1, generators=2, ready_timeout=20.0,
-                 max_restarts=5, drain_timeout=5.0):
+                 max_restarts=5, drain_timeout=5.0, mps: dict | None = None, env: dict | None = None):
         self.folder = folder
         (folder / "pids").mkdir()
         (folder / "stamps").mkdir()
@@ -100,9 +110,10 @@ class Launcher:
         self.port = free_port()
         cfg = dict(repo=str(REPO), dir=str(folder), encoders=encoders, generators=generators,
                    port=self.port, ready_timeout=ready_timeout, max_restarts=max_restarts,
-                   drain_timeout=drain_timeout)
+                   drain_timeout=drain_timeout, mps=mps)
         self.proc = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(cfg)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
         self.out: list[str] = []
         self.err: list[str] = []
         self.readers = [threading.Thread(target=self._read, args=(s, into), daemon=True)

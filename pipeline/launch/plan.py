@@ -2,11 +2,11 @@
 
 Pure: nothing is started and no device is touched; what the plan needs to know
 about the host (GPU count, the built-in model's folder) comes in as
-`HostFacts`, gathered once by `host_facts`. Stages are placed one per GPU,
-encoders first, then generators, round-robin when there are fewer GPUs than
-stages. GPUs are never hidden with CUDA_VISIBLE_DEVICES: every stage sees
-every device (CUDA IPC between stages needs the same numbering everywhere)
-and is told its own with `--device cuda:N`.
+`HostFacts`, gathered once by `host_facts`. Stages go on GPUs by a
+placement (placement.py: colocated or dedicated; `auto` is resolved by
+auto_placement.py before planning). GPUs are never hidden with
+CUDA_VISIBLE_DEVICES: every stage sees every device (CUDA IPC between stages
+needs the same numbering everywhere) and is told its own with `--device cuda:N`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.cpu_threads import threads_per_stage, usable_cpus
+from pipeline.launch.mps import MpsConfig
+from pipeline.launch.placement import CONCRETE, PLACEMENTS, place_stages
 from pipeline.models.shape_configs import SHAPES
 from pipeline.transport import ipc_address
 
@@ -24,6 +26,7 @@ ROLES = ("encoder", "generator", "proxy")
 MODES = ("epd", "aggregated")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
+MPS_MODES = ("auto", "on", "off")
 
 # Flags the plan sets itself. Passing one through --stage-arg would silently
 # win over the plan (argparse keeps the last value), e.g. two stages on one GPU.
@@ -73,9 +76,20 @@ class LaunchOptions:
     python: str = sys.executable
     random_weights: str | None = None  # a shape name: random weights, the shape's weightless folder
     drain_timeout: float = 30.0  # the proxy's, on stop: seconds for the requests in flight to finish
+    placement: str = "auto"  # colocated, dedicated, or auto (the planner's pick)
+    mps: str = "auto"  # a private MPS daemon: auto (where stages share a GPU), on, off
+    encoder_sm_percent: int | None = None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for encoders
+    profile: Path | None = None  # epd-plan's profile for --placement auto (else the cached one)
 
     def __post_init__(self) -> None:
         _check_choice("--mode", self.mode, MODES)
+        _check_choice("--placement", self.placement, PLACEMENTS)
+        _check_choice("--mps", self.mps, MPS_MODES)
+        if self.encoder_sm_percent is not None:
+            if not 1 <= self.encoder_sm_percent <= 100:
+                raise LaunchError(f"--encoder-sm-percent must be in 1..100 (got {self.encoder_sm_percent})")
+            if self.mps == "off":
+                raise LaunchError("--encoder-sm-percent needs MPS (it is MPS's per-client SM share); drop --mps off")
         _check_choice("--device", self.device, DEVICES)
         if self.dtype is not None:
             _check_choice("--dtype", self.dtype, DTYPES)
@@ -124,6 +138,7 @@ class HostFacts:
     # needed only when LaunchOptions.model is None.
     builtin_model: Path | None = None
     cpus: int = 1  # usable cores, split among the stages that run on the CPU
+    gpu_name: str | None = None  # torch's name of the first GPU used (finds a cached profile)
 
 
 @dataclass(frozen=True)
@@ -144,13 +159,16 @@ class StageSpec:
         return [*self.program, *self.args]
 
 
-def plan_stages(options: LaunchOptions, facts: HostFacts) -> list[StageSpec]:
-    """Encoders, then generators, then the proxy."""
+def plan_stages(options: LaunchOptions, facts: HostFacts, placement: str | None = None) -> list[StageSpec]:
+    """Encoders, then generators, then the proxy. `placement`: colocated or
+    dedicated (auto_placement.py resolves --placement auto); None takes
+    the options' own, colocated for auto."""
     model = options.model or facts.builtin_model
     if model is None:
         raise LaunchError("no model folder: pass --model DIR")
     model_id = options.model_id or model.name
-    devices = stage_devices(options, facts, options.encoders + options.generators)
+    placement = placement or (options.placement if options.placement in CONCRETE else "colocated")
+    devices = stage_devices(options, facts, placement)
     env = dict(CUDA_ENV) if any(d.startswith("cuda") for d in devices) else {}
     extra = {role: tuple(arg for r, arg in options.stage_args if r == role) for role in ROLES}
     dtype = ("--dtype", options.dtype) if options.dtype else ()
@@ -182,10 +200,16 @@ def plan_stages(options: LaunchOptions, facts: HostFacts) -> list[StageSpec]:
     return specs
 
 
-def stage_devices(options: LaunchOptions, facts: HostFacts, count: int) -> list[str]:
-    """The device of each of `count` model stages (encoders first)."""
+def stage_devices(options: LaunchOptions, facts: HostFacts, placement: str) -> list[str]:
+    """The device of each model stage (encoders first)."""
     if not _uses_cuda(options, facts):
-        return ["cpu"] * count
+        return ["cpu"] * (options.encoders + options.generators)
+    gpus = plan_gpus(options, facts)
+    return [f"cuda:{gpu}" for gpu in place_stages(options.encoders, options.generators, gpus, placement)]
+
+
+def plan_gpus(options: LaunchOptions, facts: HostFacts) -> tuple[int, ...]:
+    """The GPUs the stages go on: --gpus, checked, or every visible one."""
     gpus = options.gpus if options.gpus is not None else tuple(range(facts.gpu_count))
     if not gpus:
         raise LaunchError("--device cuda: no CUDA GPU is visible (torch.cuda.device_count() is 0)")
@@ -193,7 +217,11 @@ def stage_devices(options: LaunchOptions, facts: HostFacts, count: int) -> list[
     if missing:
         raise LaunchError(f"--gpus {missing[0]}: only {facts.gpu_count} GPU(s) are visible "
                           f"(numbers 0..{facts.gpu_count - 1})")
-    return [f"cuda:{gpus[i % len(gpus)]}" for i in range(count)]
+    return gpus
+
+
+def uses_cuda(options: LaunchOptions, facts: HostFacts) -> bool:
+    return _uses_cuda(options, facts)
 
 
 def generator_memory_shares(encoder_devices: list[str], generator_devices: list[str],
@@ -227,6 +255,21 @@ def shared_gpus(specs: list[StageSpec]) -> dict[str, list[str]]:
     return {device: names for device, names in by_device.items() if len(names) > 1}
 
 
+def mps_config(options: LaunchOptions, specs: list[StageSpec], run_dir: Path) -> MpsConfig | None:
+    """The private MPS daemon the supervisor runs, or None: --mps off, no
+    stage on a GPU, or (auto) no GPU shared by two stages. Every CUDA stage
+    is its client (CUDA IPC between them then stays within one daemon)."""
+    cuda = [s for s in specs if s.device.startswith("cuda")]
+    shared = shared_gpus(specs)
+    if options.mps == "off" or not cuda or (options.mps == "auto" and not shared):
+        if options.mps == "on" and not cuda:
+            raise LaunchError("--mps on: no stage runs on a GPU")
+        return None
+    encoders = frozenset(s.instance for s in cuda if s.role == "encoder")
+    return MpsConfig(run_dir / "mps", frozenset(s.instance for s in cuda), required=options.mps == "on",
+                     encoder_sm_percent=options.encoder_sm_percent, encoders=encoders, shared=tuple(shared))
+
+
 def http_url(host: str, port: int, path: str, *, for_client: bool = False) -> str:
     """`for_client`: a wildcard bind address becomes loopback, so the
     launcher can poll a proxy listening on every interface."""
@@ -258,7 +301,13 @@ def host_facts(options: LaunchOptions) -> HostFacts:
         from pipeline.models.tiny import default_model_dir
 
         builtin = default_model_dir()
-    return HostFacts(gpu_count, builtin, usable_cpus())
+    gpu_name = None
+    if gpu_count:
+        import torch
+
+        first = options.gpus[0] if options.gpus else 0
+        gpu_name = torch.cuda.get_device_name(first) if first < gpu_count else None
+    return HostFacts(gpu_count, builtin, usable_cpus(), gpu_name)
 
 
 def _uses_cuda(options: LaunchOptions, facts: HostFacts) -> bool:

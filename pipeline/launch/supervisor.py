@@ -5,7 +5,9 @@ Children stay in the launcher's process group (no setsid), so Ctrl-C in a
 terminal and systemd's control group reach them too; the launcher still
 stops them itself and reaps every one. Each child's output goes to the
 launcher's stdout prefixed with its instance name, or to
-`<log_dir>/<instance>.log`.
+`<log_dir>/<instance>.log`. With `mps` set, a private MPS control daemon
+(pipeline/launch/mps.py) runs from before the first stage until after the
+last has been reaped.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from pipeline.arena.shm import remove_stale_segments
+from pipeline.launch.mps import MpsConfig, MpsDaemon, MpsError
 from pipeline.launch.plan import StageSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +58,7 @@ class SupervisorConfig:
     # Test hook: role -> program that replaces `python -m stages.<role>`; the
     # stage's planned flags follow it unchanged. Empty in production.
     commands: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    mps: MpsConfig | None = None  # None: no daemon is started and no stage is pointed at one
 
     def __post_init__(self) -> None:
         for name in ("ready_timeout", "stop_timeout", "restart_backoff", "max_backoff", "poll_interval"):
@@ -66,6 +70,9 @@ class SupervisorConfig:
             raise ValueError("SupervisorConfig.max_restarts_per_minute must be >= 0")
         if len({s.instance for s in self.stages}) != len(self.stages):
             raise ValueError("SupervisorConfig.stages: instance names must be unique")
+        unknown = sorted(self.mps.clients - {s.instance for s in self.stages}) if self.mps else []
+        if unknown:
+            raise ValueError(f"SupervisorConfig.mps.clients names no stage: {', '.join(unknown)}")
 
 
 @dataclass
@@ -108,18 +115,35 @@ class Supervisor:
         self.stages = [_Stage(spec) for spec in config.stages]
         self.pumps: list[threading.Thread] = []
         self.width = max((len(s.instance) for s in config.stages), default=0)
+        self.mps = MpsDaemon(config.mps, self._write) if config.mps else None
 
     def run(self, stop: threading.Event) -> None:
         """Start, wait until ready, keep up until `stop`; always stops and
-        reaps every child on the way out."""
+        reaps every child on the way out, then the MPS daemon."""
         try:
+            self._start_mps()
             for stage in self.stages:
                 self._start(stage)
             if self._wait_ready(stop):
                 self._write(f"EPD ready: {self.config.ready_url}")
                 self._watch(stop)
         finally:
-            self._stop_all()
+            try:
+                self._stop_all()
+            finally:
+                if self.mps is not None:
+                    self.mps.stop()  # only now: `quit` waits for the clients still attached
+
+    def _start_mps(self) -> None:
+        if self.mps is None:
+            return
+        try:
+            self.mps.start()
+        except MpsError as exc:
+            if self.mps.config.required:
+                raise StageFailed(f"MPS is required (--mps on) but could not start: {exc}") from None
+            self._write(f"epd-launch: warning: MPS could not start ({exc}); "
+                        f"{_time_slicing(self.mps.config.shared)}")
 
     def _wait_ready(self, stop: threading.Event) -> bool:
         """True once /health answers 200; False when asked to stop first."""
@@ -173,7 +197,7 @@ class Supervisor:
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                                     stdout=log if log else subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    env=_child_env(spec.env), close_fds=True)
+                                    env=_child_env({**spec.env, **self._mps_env(spec)}), close_fds=True)
         except OSError as exc:
             raise StageFailed(f"cannot start {spec.instance} ({argv[0]}): {exc.strerror or exc}") from None
         finally:
@@ -186,6 +210,9 @@ class Supervisor:
                                     name=f"output-{spec.instance}", daemon=True)
             pump.start()
             self.pumps = [p for p in self.pumps if p.is_alive()] + [pump]
+
+    def _mps_env(self, spec: StageSpec) -> dict[str, str]:
+        return self.mps.env_for(spec.instance) if self.mps is not None else {}
 
     def _open_log(self, spec: StageSpec, argv: list[str]) -> IO[bytes] | None:
         if self.config.log_dir is None:
@@ -259,6 +286,12 @@ def _child_env(overrides: Mapping[str, str]) -> dict[str, str]:
     # `python -m stages.<role>` must resolve from any working directory.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     return env
+
+
+def _time_slicing(shared: tuple[str, ...]) -> str:
+    if not shared:
+        return "the stages sharing a GPU will time-slice it"
+    return f"the stages sharing {', '.join(shared)} will time-slice {'it' if len(shared) == 1 else 'them'}"
 
 
 def _health_status(url: str) -> int | None:

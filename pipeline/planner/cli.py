@@ -45,6 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     measuring.add_argument("--prefill-tokens", default="512,2048", metavar="LIST")
     measuring.add_argument("--vision-graphs", type=int, default=0, metavar="N",
                            help="time vision forwards as the stages run them with this --vision-graphs")
+    measuring.add_argument("--max-num-seqs", type=int, default=64, help="the generators' --max-num-seqs")
     measuring.add_argument("--repeats", type=int, default=8)
     measuring.add_argument("--no-beside", action="store_true", help="skip the timings beside a load process")
     measuring.add_argument("--mps", choices=("auto", "on", "off"), default="auto",

@@ -1,0 +1,296 @@
+"""A private NVIDIA MPS control daemon for the stages that share a GPU.
+
+Without MPS, CUDA processes on one GPU time-slice it; under one control
+daemon their kernels overlap. The supervisor starts the daemon before the
+first stage, points every CUDA stage at it (CUDA_MPS_PIPE_DIRECTORY) and
+quits it after the last stage has exited.
+
+What this relies on, from NVIDIA's MPS documentation (and what daemons in
+the field leave in their pipe folder):
+- `nvidia-cuda-mps-control -d` forks the daemon and returns; the daemon and
+  its clients meet in CUDA_MPS_PIPE_DIRECTORY, and it writes control.log
+  and server.log to CUDA_MPS_LOG_DIRECTORY.
+- The daemon writes its pid to `<pipe>/nvidia-cuda-mps-control.pid` and
+  listens on the UNIX socket `<pipe>/control` (beside it: control_lock,
+  control_privileged, log). It is ready once both are there and the pid is
+  alive.
+- `echo quit | nvidia-cuda-mps-control`, with the same pipe folder, tells
+  it to shut down its servers and exit; it waits for the clients still
+  attached, which is why the stages must be gone first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+PIPE_VAR = "CUDA_MPS_PIPE_DIRECTORY"
+LOG_VAR = "CUDA_MPS_LOG_DIRECTORY"
+SM_PERCENT_VAR = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+PID_FILE = "nvidia-cuda-mps-control.pid"
+CONTROL_SOCKET = "control"
+LONGEST_SOCKET = "control_privileged"  # the longest name the daemon binds in the pipe folder
+SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, the NUL included
+POLL_S = 0.05
+
+
+class MpsError(RuntimeError):
+    """The private daemon could not start (or an earlier one is in the way);
+    the message is one line."""
+
+
+@dataclass(frozen=True)
+class MpsConfig:
+    root: Path  # the private daemon's folder; pipe/ and log/ inside, all 0700, removed on stop
+    clients: frozenset[str]  # instances pointed at the daemon: every CUDA stage
+    required: bool = False  # True: no daemon, no launch; False: a warning, and on without MPS
+    encoder_sm_percent: int | None = None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for `encoders`
+    encoders: frozenset[str] = frozenset()
+    control: str = "nvidia-cuda-mps-control"  # looked up on PATH
+    start_timeout: float = 10.0  # `-d` until ready
+    shared: tuple[str, ...] = ()  # the GPUs stages share, for the warning only
+    stop_timeout: float = 10.0  # `quit` until the daemon has exited; then SIGKILL
+
+    def __post_init__(self) -> None:
+        percent = self.encoder_sm_percent
+        if percent is not None and (isinstance(percent, bool) or not isinstance(percent, int)
+                                    or not 1 <= percent <= 100):
+            raise ValueError(f"MpsConfig.encoder_sm_percent must be an integer in 1..100 (got {percent!r})")
+        for name in ("start_timeout", "stop_timeout"):
+            if not getattr(self, name) > 0:  # also false for nan
+                raise ValueError(f"MpsConfig.{name} must be > 0 (got {getattr(self, name)})")
+        if not self.control:
+            raise ValueError("MpsConfig.control must name a program")
+        stray = sorted(self.encoders - self.clients)
+        if stray:
+            raise ValueError(f"MpsConfig.encoders must be clients too (not in clients: {', '.join(stray)})")
+
+
+class MpsDaemon:
+    """One private control daemon: `start` before the first client, `stop`
+    after the last has exited. When the launcher's environment already names
+    a daemon (CUDA_MPS_PIPE_DIRECTORY, e.g. systemd's epd-mps unit), that one
+    is used: nothing is started or stopped, and the children inherit the
+    variable. `write` takes the one-line log messages."""
+
+    def __init__(self, config: MpsConfig, write: Callable[[str], None]) -> None:
+        self.config = config
+        self.write = write
+        self.pipe = config.root / "pipe"
+        self.logs = config.root / "log"
+        self.pid: int | None = None
+        self.client_env: dict[str, str] | None = None  # None: the stages run without MPS
+        self._program: str | None = None  # set while we own a running daemon
+
+    def start(self) -> dict[str, str]:
+        """The variables a client needs (empty for the operator's daemon,
+        which the children inherit). Raises MpsError, having removed what it made."""
+        if self.client_env is not None:
+            raise RuntimeError("MpsDaemon.start called twice")
+        operator = os.environ.get(PIPE_VAR)
+        if operator is not None:
+            self.write(f"epd-launch: using the operator's MPS control daemon ({PIPE_VAR}={operator})")
+            self.client_env = {}
+            return {}
+        program = shutil.which(self.config.control)
+        if program is None:
+            raise MpsError(f"{self.config.control}: not found on PATH")
+        self._check_socket_path()
+        deadline = time.monotonic() + self.config.start_timeout
+        self._clear_leftover(program, deadline)
+        self._make_folders()
+        try:
+            self._run_daemon_mode(program, deadline)
+            self._wait_ready(deadline)
+        except BaseException:
+            self._abandon()
+            raise
+        self._program = program
+        self.client_env = {PIPE_VAR: str(self.pipe), LOG_VAR: str(self.logs)}
+        self.write(f"epd-launch: started the MPS control daemon (pipe {self.pipe}, pid {self.pid}) "
+                   f"for {', '.join(sorted(self.config.clients))}")
+        return dict(self.client_env)
+
+    def env_for(self, instance: str) -> dict[str, str]:
+        """What to add to one stage's environment on each (re)start."""
+        if self.client_env is None or instance not in self.config.clients:
+            return {}
+        env = dict(self.client_env)
+        if instance in self.config.encoders and self.config.encoder_sm_percent is not None:
+            env[SM_PERCENT_VAR] = str(self.config.encoder_sm_percent)
+        return env
+
+    def stop(self) -> None:
+        """Quit our daemon, kill it if it does not exit in time, remove the
+        folder. Idempotent; does nothing for the operator's daemon."""
+        self.client_env = None
+        program, self._program = self._program, None
+        if program is None:
+            return
+        deadline = time.monotonic() + self.config.stop_timeout
+        why = self._send_quit(program, deadline)
+        if self.pid is not None and not _wait_exit(self.pid, deadline):
+            _kill(self.pid)
+            self.write(f"epd-launch: the MPS control daemon (pid {self.pid}) did not quit within "
+                       f"{self.config.stop_timeout:g} s{why}; killed it")
+        self.pid = None
+        self._remove_root()
+        self.write("epd-launch: stopped the MPS control daemon")
+
+    def _check_socket_path(self) -> None:
+        length = len(os.fsencode(self.pipe / LONGEST_SOCKET))
+        if length > SUN_PATH_MAX:
+            raise MpsError(f"the pipe folder {self.pipe} is too long for the daemon's UNIX sockets "
+                           f"({length} > {SUN_PATH_MAX} bytes); choose a shorter run folder (EPD_RUN_DIR)")
+
+    def _clear_leftover(self, program: str, deadline: float) -> None:
+        """A launcher that was SIGKILLed leaves its folder, maybe with its
+        daemon still up; quit that one (same pipe folder) and start afresh."""
+        if not self.config.root.exists():
+            return
+        pid = _read_pid(self.pipe / PID_FILE)
+        if pid is not None and _alive(pid):
+            self.write(f"epd-launch: stopping the MPS control daemon left by an earlier run (pid {pid})")
+            why = self._send_quit(program, deadline)
+            # Not killed by pid: the file may be stale and the number reused.
+            if not _wait_exit(pid, deadline):
+                raise MpsError(f"the MPS control daemon left by an earlier run (pid {pid}, pipe {self.pipe}) "
+                               f"did not quit{why}; stop it and remove {self.config.root}")
+        self._remove_root()
+
+    def _make_folders(self) -> None:
+        try:
+            for folder in (self.config.root, self.pipe, self.logs):
+                folder.mkdir(mode=0o700)
+                folder.chmod(0o700)  # whatever the umask
+        except OSError as exc:
+            self._remove_root()
+            raise MpsError(f"cannot make {exc.filename}: {exc.strerror or exc}") from None
+
+    def _run_daemon_mode(self, program: str, deadline: float) -> None:
+        # A new session: Ctrl-C in the terminal reaches the stages but not
+        # the daemon, which must outlive them and be quit by us.
+        with tempfile.TemporaryFile() as output:  # not a pipe: the forked daemon may keep it open
+            try:
+                proc = subprocess.Popen([program, "-d"], stdin=subprocess.DEVNULL, stdout=output,
+                                        stderr=subprocess.STDOUT, env=self._env(), close_fds=True,
+                                        start_new_session=True)
+            except OSError as exc:
+                raise MpsError(f"cannot run {program}: {exc.strerror or exc}") from None
+            try:
+                code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise MpsError(f"{program} -d did not return within {self.config.start_timeout:g} s") from None
+            if code != 0:
+                raise MpsError(f"{program} -d exited with code {code}{_last_line(output)}")
+
+    def _wait_ready(self, deadline: float) -> None:
+        while True:
+            pid = _read_pid(self.pipe / PID_FILE)
+            if pid is not None:
+                self.pid = pid  # known from here on, so that a failed start can kill it
+                if not _alive(pid):
+                    raise MpsError(f"the daemon (pid {pid}) exited right after starting{self._log_tail()}")
+                if (self.pipe / CONTROL_SOCKET).exists():
+                    return
+            if time.monotonic() >= deadline:
+                raise MpsError(f"the daemon was not ready within {self.config.start_timeout:g} s (no "
+                               f"{CONTROL_SOCKET} socket and live pid in {self.pipe / PID_FILE})"
+                               f"{self._log_tail()}")
+            time.sleep(POLL_S)
+
+    def _abandon(self) -> None:
+        """Undo a failed start: no client uses the half-started daemon yet."""
+        if self.pid is not None and _alive(self.pid):
+            _kill(self.pid)
+        self.pid = None
+        self._remove_root()
+
+    def _send_quit(self, program: str, deadline: float) -> str:
+        """'' once the control program has passed `quit` on; else why not,
+        as a clause for a log line."""
+        try:
+            done = subprocess.run([program], input=b"quit\n", stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, env=self._env(), start_new_session=True,
+                                  timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return f" ({program} did not take the quit in time)"
+        except OSError as exc:
+            return f" (cannot run {program}: {exc.strerror or exc})"
+        if done.returncode != 0:
+            lines = done.stdout.decode("utf-8", "replace").strip().splitlines()
+            return f" ({program} exited with code {done.returncode}{': ' + lines[-1] if lines else ''})"
+        return ""
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, PIPE_VAR: str(self.pipe), LOG_VAR: str(self.logs)}
+
+    def _log_tail(self) -> str:
+        try:
+            lines = (self.logs / "control.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return f" (control.log: {lines[-1]})" if lines else ""
+
+    def _remove_root(self) -> None:
+        try:
+            shutil.rmtree(self.config.root)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self.write(f"epd-launch: warning: cannot remove {self.config.root}: {exc.strerror or exc}")
+
+
+def _read_pid(path: Path) -> int | None:
+    """None while the file is missing or half written."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """A zombie counts as gone: the daemon is reparented to init, which in
+    a container may never reap it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _wait_exit(pid: int, deadline: float) -> bool:
+    while _alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _last_line(output: IO[bytes]) -> str:
+    output.seek(0)
+    lines = output.read().decode("utf-8", "replace").strip().splitlines()
+    return f": {lines[-1]}" if lines else ""

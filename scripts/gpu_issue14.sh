@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 14 on one H200, in device calls of at most 10 minutes each:
+#   run(command="PHASE=1 bash scripts/gpu_issue14.sh", carry=[".whl"])          # profile + aggregated 4x400, mixed, 1x400
+#   run(command="PHASE=2 bash scripts/gpu_issue14.sh", carry=[".whl", "results"]) # EPD colocated: same, + 4x2000
+#   run(command="PHASE=3 bash scripts/gpu_issue14.sh", carry=[".whl", "results"]) # 2000-token workloads left
+# Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
+# is the launcher's own). PHASE 2 and 3 read the profile and aggregated
+# results of PHASE 1 from results/ (copy the files PHASE 1 brought back
+# there). TINY=1 runs the same on the CPU with the tiny model.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+exec > >(tee "$OUT/log.txt") 2>&1
+if [ "${TINY:-0}" != 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+fi
+export PYTHONUNBUFFERED=1
+R=/tmp/issue14; mkdir -p "$R"; cp results/* "$R/" 2>/dev/null
+tiny=(); [ "${TINY:-0}" = 1 ] && tiny=(--tiny --image-size 224 --output-len 16 --step-s "${STEP_S:-8}")
+profile=(--profile "$R/profile.json")
+
+if [ "$PHASE" = 1 ]; then
+  echo "== epd-plan --profile-out"
+  if [ "${TINY:-0}" = 1 ]; then
+    timeout 300 python3 bin/epd-plan --profile-out "$R/profile.json" --repeats 2 --vision-batches 1,4 \
+      --decode-batches 1,8 --prefill-tokens 256,2048 --image-sizes 224x224
+  else
+    timeout 240 python3 bin/epd-plan --profile-out "$R/profile.json" --random-weights qwen2.5-vl-3b --gpus 0 \
+      --vision-graphs 16 --max-num-seqs 128 --vision-batches 1,4,16 --decode-batches 1,16,64,128 \
+      --prefill-tokens 512,2048 --repeats 6
+  fi
+  for w in 4:400 1:400 4:2000 1:2000; do
+    python3 bin/epd-plan --profile "$R/profile.json" --gpus 1 --images "${w%%:*}" --input-len "${w##*:}" \
+      --image-size "${SIZE:-640}x${SIZE:-640}" --output-len "${OLEN:-150}" --json > "$R/plan-${w/:/x}.json" \
+      && python3 bin/epd-plan --profile "$R/profile.json" --gpus 1 --images "${w%%:*}" --input-len "${w##*:}" \
+      --image-size "${SIZE:-640}x${SIZE:-640}" --output-len "${OLEN:-150}"
+  done
+  timeout 420 python3 scripts/gpu_sustained.py --layout aggregated --out "$R" "${profile[@]}" "${tiny[@]}" \
+    --workload 4:400 --workload 1:400
+elif [ "$PHASE" = 2 ]; then
+  timeout 570 python3 scripts/gpu_sustained.py --layout epd --out "$R" "${profile[@]}" "${tiny[@]}" \
+    --interference-from "$R/aggregated-4img-400tok.json" --workload 4:400 --workload 1:400 --workload 4:2000:2
+elif [ "$PHASE" = 3 ]; then
+  timeout 300 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/agg2000" "${profile[@]}" "${tiny[@]}" \
+    --workload 4:2000:2 --workload 1:2000:2
+  timeout 240 python3 scripts/gpu_sustained.py --layout epd --out "$R/epd2000" "${profile[@]}" "${tiny[@]}" \
+    --workload 1:2000:2
+fi
+rc=$?
+# Few, shallow files come back: the profile, the summaries and a tarball of everything.
+cp "$R"/profile.json "$R"/*summary.json "$OUT/" 2>/dev/null
+tar czf "$OUT/issue14-phase$PHASE.tgz" -C /tmp issue14
+ls "$OUT"
+exit $rc
