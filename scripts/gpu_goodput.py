@@ -123,6 +123,7 @@ def search_args(config: str, args: argparse.Namespace, base_url: str, search_s: 
                 "--num-prompts", str(prompts), *slos, "--json", str(args.out / f"{config}.json")]
     return ["--base-url", base_url, *workload_args(args), "--request-rate", f"search:{args.low:g}:{args.high:g}",
             "--search-criterion", "p99", "--search-steps", str(args.steps), "--search-step-s", f"{step_s:.1f}",
+            "--warmup-s", f"{min(4.0, step_s / 4):.1f}",
             "--search-budget-s", f"{search_s:.0f}", "--num-prompts", str(args.max_step_prompts), *slos,
             "--json", str(args.out / f"{config}.json"), "--plot", str(args.out / f"{config}.png"),
             "--plot-label", label(config, args)]

@@ -1,5 +1,6 @@
 """epd-bench: exact metrics on hand-made records, timing against a synthetic
-SSE server with known sleeps, the arrival process, and CLI input errors."""
+SSE server with known sleeps, the arrival process, and CLI input errors.
+(tests/bench_fakes.py holds the synthetic server.)"""
 
 from __future__ import annotations
 
@@ -10,28 +11,18 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from aiohttp import web
 from PIL import Image
 
-from pipeline.bench.client import run_sweep
-from pipeline.bench.dataset import (POOL_SIZE_PER_BUCKET, RandomMMConfig, arrival_offsets,
-                                    parse_bucket_config, sample_requests)
+from bench_fakes import NUM_CHUNKS, endpoint_thread, small_dataset, sweep_against_fake
+from pipeline.bench.dataset import POOL_SIZE_PER_BUCKET, arrival_offsets, parse_bucket_config, sample_requests
 from pipeline.bench.metrics import RequestRecord, parse_goodput, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bin" / "epd-bench"
-
-
-def small_dataset(num_prompts: int = 8, output_len: int = 6, **overrides) -> RandomMMConfig:
-    fields = dict(num_prompts=num_prompts, input_len=20, output_len=output_len, range_ratio=0.0,
-                  base_items=1, items_range_ratio=0.0, buckets={(32, 48, 1): 1.0}, image_reuse=0.0)
-    fields.update(overrides)
-    return RandomMMConfig(**fields)
 
 
 # ---- metrics on hand-made records -------------------------------------------------
@@ -78,49 +69,6 @@ def test_parse_goodput():
 
 # ---- against a synthetic SSE server ------------------------------------------------
 
-FIRST_DELAY, GAP, NUM_CHUNKS = 0.05, 0.01, 6
-
-
-def fake_server(seen: list[dict], fail_every: int = 0) -> web.Application:
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        seen.append(body)
-        if fail_every and len(seen) % fail_every == 0:
-            return web.json_response({"error": {"message": "synthetic"}}, status=500)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(NUM_CHUNKS):
-            await asyncio.sleep(FIRST_DELAY if i == 0 else GAP)
-            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        usage = {"prompt_tokens": 7, "completion_tokens": NUM_CHUNKS, "total_tokens": 7 + NUM_CHUNKS}
-        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
-        return resp
-
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", chat)
-    return app
-
-
-async def sweep_against_fake(dataset, rates, slos, fail_every=0, max_concurrency=4):
-    seen: list[dict] = []
-    runner = web.AppRunner(fake_server(seen, fail_every))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        results = await run_sweep(f"http://127.0.0.1:{port}", None, dataset, rates, 1.0,
-                                  max_concurrency, seed=3, slos=slos, show_progress=False)
-    finally:
-        await runner.cleanup()
-    return results, seen
-
-
 def test_client_timing_against_synthetic_stream():
     results, seen = asyncio.run(sweep_against_fake(small_dataset(), [float("inf")], {"ttft": 1000, "tpot": 500}))
     (r,) = results
@@ -132,6 +80,9 @@ def test_client_timing_against_synthetic_stream():
     assert 9 <= r["median_itl_ms"] < 16
     assert 100 <= r["mean_e2el_ms"] < 160
     assert round(r["request_goodput"] * r["duration"]) == 8
+    # A burst has no arrival rate; its window SLO figures cover every request.
+    assert r["offered_rate"] is None and r["sustained"] is None and r["cancelled"] == 0
+    assert r["window_requests"] == 8 and 50 <= r["window_p99_ttft_ms"] < 120
     body = seen[0]
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["temperature"] == 0 and body["max_tokens"] == 6
@@ -220,6 +171,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     (["--request-rate", "search:8:2", "--goodput", "ttft:5"], "0 < LOW < HIGH"),
     (["--request-rate", "search:1:8"], "needs --goodput"),
     (["--request-rate", "search:1:8", "--goodput", "ttft:5", "--goodput-target", "1.5"], "--goodput-target"),
+    (["--request-rate", "search:1:8", "--goodput", "ttft:5", "--search-step-s", "3"], "--warmup-s (4)"),
+    (["--request-rate", "search:1:8", "--goodput", "ttft:5", "--sustained-fraction", "1.5"],
+     "--sustained-fraction"),
+    (["--request-rate", "search:1:8", "--goodput", "ttft:5", "--drain-timeout-s", "0"], "--drain-timeout-s"),
+    (["--request-rate", "4", "--warmup-s", "-1"], "--warmup-s"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(args, fragment):
     proc = run_cli("--base-url", "http://127.0.0.1:9", *args)
@@ -240,27 +196,15 @@ def test_cli_unreachable_server_exits_1():
 
 @pytest.fixture
 def fake_endpoint():
-    """The synthetic server on a loop thread of its own, so a CLI subprocess
-    can reach it; every loop operation is submitted to that thread."""
-    seen: list[dict] = []
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner = web.AppRunner(fake_server(seen))
+    with endpoint_thread() as endpoint:
+        yield endpoint
 
-    async def start() -> int:
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner.addresses[0][1]
 
-    port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    try:
-        yield f"http://127.0.0.1:{port}", seen
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
+@pytest.fixture
+def serial_endpoint():
+    """One request at a time: about 10 req/s of capacity."""
+    with endpoint_thread(serial=True) as endpoint:
+        yield endpoint
 
 
 SMALL_WORKLOAD = ("--random-input-len", "5", "--random-output-len", "4", "--random-mm-bucket-config",
@@ -278,35 +222,68 @@ def test_cli_end_to_end_writes_json(tmp_path, fake_endpoint):
     keys = {"completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
             "request_goodput", "output_throughput", "request_rate", "max_concurrency"}
     keys |= {f"{s}_{m}_ms" for s in ("mean", "median", "p90", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
+    keys |= {"offered_rate", "achieved_rate", "sustained_ratio", "window_s", "sustained", "cancelled"}
     for r in results:
-        assert keys <= set(r) and r["completed"] == 3 and r["failed"] == 0
-        assert r["slo_attainment"] == 1.0
+        assert keys <= set(r) and r["completed"] == 3 and r["failed"] == 0 and r["cancelled"] == 0
+        assert r["slo_attainment"] == 1.0 and r["window_s"]["start"] == 0.0 and r["offered_rate"] > 0
     assert "3/3 done" in proc.stderr
 
 
 @pytest.mark.parametrize("ttft_slo, passes", [("1000", True), ("5", False)])
 def test_cli_goodput_search_writes_steps_and_plot(tmp_path, fake_endpoint, ttft_slo, passes):
     # The synthetic server's TTFT is ~50 ms at any load: a 1 s SLO passes at
-    # every rate (the answer sits at HIGH), a 5 ms SLO at none.
+    # every rate (the answer sits at HIGH), a 5 ms SLO at none. Its capacity
+    # is unbounded, so every step is sustained; a 0.5 fraction leaves room
+    # for a request at either edge of a 10-request window to fall out.
     base_url, seen = fake_endpoint
     out, png = tmp_path / "search.json", tmp_path / "search.png"
     proc = run_cli("--base-url", base_url, "--request-rate", "search:20:80", "--search-steps", "3",
-                   "--search-step-s", "0.1", "--num-prompts", "12", *SMALL_WORKLOAD, "--goodput",
-                   f"ttft:{ttft_slo}", "--json", str(out), "--plot", str(png), "--no-progress")
+                   "--search-step-s", "0.15", "--warmup-s", "0", "--sustained-fraction", "0.5",
+                   "--num-prompts", "12", *SMALL_WORKLOAD, "--goodput", f"ttft:{ttft_slo}", "--json", str(out),
+                   "--plot", str(png), "--no-progress")
     assert proc.returncode == 0, proc.stderr
     found = json.loads(out.read_text())
     steps = found["steps"]
     assert [s["passed"] for s in steps] == [passes] * 3
     assert [s["num_prompts"] for s in steps] == [s_prompts(s["request_rate"]) for s in steps]
     assert len(seen) == sum(s["num_prompts"] for s in steps)
-    assert found["search"]["target"] == 0.9 and "partial" not in found
+    assert found["search"]["target"] == 0.9 and found["search"]["sustained_fraction"] == 0.5
+    assert "partial" not in found
+    for step in steps:
+        assert step["sustained"] is True and step["cancelled"] == 0 and step["window_s"]["start"] == 0.0
+        assert step["miss_reasons"] == ([] if passes else ["SLO attainment 0.000 < 0.9"])
     if passes:
         assert found["at_bound"] == "high" and found["max_request_rate"] == pytest.approx(20 * 4 ** (7 / 8))
+        assert found["max_offered_rate"] == steps[-1]["offered_rate"] > 0
+        assert found["max_achieved_rate"] == steps[-1]["achieved_rate"] > 0
     else:
         assert found["at_bound"] == "low" and found["max_request_rate"] is None
+        assert found["max_offered_rate"] is None
     assert proc.stderr.count("epd-bench: step ") == 3
+    assert proc.stderr.count("-> pass" if passes else "-> miss (SLO attainment 0.000 < 0.9)") == 3
+    assert ("epd-bench: maximum rate meeting the SLOs: 67.3 req/s" if passes else
+            "epd-bench: no step passed (the maximum lies below 20 req/s") in proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def s_prompts(rate: float) -> int:
-    return min(12, max(10, round(rate * 0.1)))
+    return min(12, max(10, round(rate * 0.15)))
+
+
+def test_cli_search_step_that_falls_behind_misses(tmp_path, serial_endpoint):
+    # 40 req/s to a ~10 req/s server: latencies stay far under the SLOs while
+    # the queue grows, which only the sustained check catches.
+    base_url, seen = serial_endpoint
+    out = tmp_path / "search.json"
+    proc = run_cli("--base-url", base_url, "--request-rate", "search:20:80", "--search-steps", "1",
+                   "--search-step-s", "0.3", "--warmup-s", "0", "--search-criterion", "p99", *SMALL_WORKLOAD,
+                   "--goodput", "ttft:100000", "tpot:100000", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(out.read_text())
+    (step,) = found["steps"]
+    assert step["num_prompts"] == 12 and len(seen) == 12 and step["completed"] == 12
+    assert not step["passed"] and step["sustained"] is False and step["sustained_ratio"] < 0.5
+    assert step["miss_reasons"] == [f"fell behind: achieved {step['sustained_ratio']:.2f}x offered"]
+    assert found["max_request_rate"] is None and found["at_bound"] == "low"
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("epd-bench: step 1:")]
+    assert "offered " in line and "achieved " in line and "P99 TTFT " in line and "-> miss (fell behind" in line

@@ -5,9 +5,11 @@ one JSON result per request rate on stdout; --json also writes them to a file
 (an object for one rate, a list for a sweep like --request-rate 2,4,8, and
 for a goodput search, --request-rate search:LOW:HIGH, an object with every
 step and the maximum found, rewritten after each step so an interrupted
-search keeps what it measured). --plot draws P99 TTFT and TPOT against rate.
-Bad arguments exit 2 and an unreachable server exits 1, each with one line
-on stderr.
+search keeps what it measured). Every result also has the measurement
+window's offered and achieved rates (window.py); a search step must sustain
+its rate as well as meet the SLOs (search.py). --plot draws P99 TTFT and
+TPOT against rate. Bad arguments exit 2 and an unreachable server exits 1,
+each with one line on stderr.
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ from pipeline.arg_parser import OneLineParser
 from pipeline.bench.client import BenchError, bench_runner, run_sweep
 from pipeline.bench.dataset import RandomMMConfig, parse_bucket_config
 from pipeline.bench.metrics import parse_goodput
-from pipeline.bench.search import CRITERIA, DEFAULT_TARGET, SearchSettings, parse_search, search_max_goodput
+from pipeline.bench.search import (CRITERIA, DEFAULT_STEP_S, DEFAULT_TARGET, DEFAULT_WARMUP_S, SearchSettings,
+                                   describe_step, parse_search, search_max_goodput)
+from pipeline.bench.stop import DEFAULT_DRAIN_TIMEOUT_S
+from pipeline.bench.window import DEFAULT_SUSTAINED_FRACTION, WindowSpec
 
 # A search step sends at least this many requests, so attainment is a fraction of something.
 MIN_STEP_PROMPTS = 10
+# Requests per fixed-rate run when --num-prompts is not given (a search step
+# has no default cap: it sends rate * --search-step-s).
+DEFAULT_NUM_PROMPTS = 100
 
 
 def parse_rates(text: str) -> list[float]:
@@ -45,7 +53,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name (default: first id from GET /v1/models)")
     p.add_argument("--dataset-name", choices=("random-mm",), default="random-mm")
-    p.add_argument("--num-prompts", type=int, default=100, help="per rate; a search step's upper bound")
+    p.add_argument("--num-prompts", type=int,
+                   help=f"requests per rate (default {DEFAULT_NUM_PROMPTS}); in a search, a cap on a step's "
+                   "rate*--search-step-s requests, none unless given (a cap that ends a step's arrivals early "
+                   "shortens its measurement window)")
     p.add_argument("--request-rate", default="inf",
                    help="requests/s, inf, a sweep like 2,4,8, or search:LOW:HIGH for the maximum goodput")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of gaps; 1 = Poisson")
@@ -64,17 +75,30 @@ def build_parser() -> OneLineParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--search-criterion", choices=CRITERIA, default="attainment",
-                   help="search: a step passes on SLO attainment >= --goodput-target, or (p99) when no "
-                   "request failed and every SLO holds for its metric's P99")
+                   help="search: besides --sustained-fraction, a step passes on SLO attainment >= "
+                   "--goodput-target, or (p99) when no request failed and every SLO holds for its metric's "
+                   "P99; both over the requests sent after the warm-up")
     p.add_argument("--goodput-target", type=float, default=DEFAULT_TARGET, metavar="FRACTION",
                    help="search, attainment criterion: the fraction of requests that must meet every SLO "
                    "(default 0.9, DistServe's SLO attainment)")
     p.add_argument("--search-steps", type=int, default=6, help="search: most steps")
-    p.add_argument("--search-step-s", type=float, metavar="S",
-                   help="search: a step sends rate*S requests (at least 10, at most --num-prompts)")
+    p.add_argument("--search-step-s", type=float, default=DEFAULT_STEP_S, metavar="S",
+                   help=f"search: seconds of arrivals per step, so a step sends rate*S requests (at least "
+                   f"{MIN_STEP_PROMPTS}, at most --num-prompts if given; default {DEFAULT_STEP_S:g})")
     p.add_argument("--search-budget-s", type=float, metavar="S",
                    help="search: start no step that would likely end after S seconds")
     p.add_argument("--search-resolution", type=float, default=0.05, help="search: stop at HIGH/LOW <= 1+this")
+    p.add_argument("--warmup-s", type=float, metavar="S",
+                   help=f"arrivals in the first S seconds are warm-up, outside the measurement window "
+                   f"(default {DEFAULT_WARMUP_S:g} in a search, 0 for a fixed rate)")
+    p.add_argument("--sustained-fraction", type=float, default=DEFAULT_SUSTAINED_FRACTION, metavar="FRACTION",
+                   help="a search step passes only if its achieved rate is at least this fraction of its "
+                   f"offered rate (default {DEFAULT_SUSTAINED_FRACTION:g}; 0 turns the check off); every run "
+                   "reports whether it was sustained")
+    p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
+                   help="search: cancel what a step still runs S seconds after its last arrival plus its "
+                   f"typical latency (default {DEFAULT_DRAIN_TIMEOUT_S:g}); a step that fell behind is "
+                   "cancelled sooner. Fixed-rate runs wait for every request")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--plot", type=Path, metavar="PNG", help="draw P99 TTFT and TPOT against request rate")
     p.add_argument("--plot-label", help="legend label of this run (default: the model id)")
@@ -83,8 +107,10 @@ def build_parser() -> OneLineParser:
 
 
 def build_dataset(args: argparse.Namespace) -> RandomMMConfig:
+    # A search sizes each step itself; the dataset's count is then only its cap.
+    num_prompts = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
     return RandomMMConfig(
-        args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+        num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
         args.random_mm_base_items_per_request, args.random_mm_num_mm_items_range_ratio,
         parse_bucket_config(args.random_mm_bucket_config), args.image_reuse, args.text_only_fraction)
 
@@ -93,17 +119,31 @@ def build_search(args: argparse.Namespace, slos: dict[str, float]) -> SearchSett
     bounds = parse_search(args.request_rate)
     if bounds is None:
         return None
-    if args.search_step_s is not None and not args.search_step_s > 0:
-        raise ValueError("--search-step-s must be > 0")
+    warmup_s = DEFAULT_WARMUP_S if args.warmup_s is None else args.warmup_s
     return SearchSettings(*bounds, slos, args.search_criterion, args.goodput_target, args.search_steps,
-                          args.search_resolution, args.search_budget_s)
+                          args.search_resolution, args.search_budget_s, args.sustained_fraction, warmup_s,
+                          args.search_step_s, args.drain_timeout_s)
 
 
-def step_prompts(rate: float, step_s: float | None, num_prompts: int) -> int:
-    """Requests in a search step: rate * step_s, within [MIN_STEP_PROMPTS, num_prompts]."""
-    if step_s is None:
-        return num_prompts
-    return min(num_prompts, max(MIN_STEP_PROMPTS, round(rate * step_s)))
+def fixed_rate_window(args: argparse.Namespace) -> WindowSpec:
+    return WindowSpec(0.0 if args.warmup_s is None else args.warmup_s, args.sustained_fraction)
+
+
+def step_prompts(rate: float, step_s: float, cap: int | None) -> int:
+    """Requests in a search step: rate * step_s, at least MIN_STEP_PROMPTS, at most `cap` if given."""
+    count = max(MIN_STEP_PROMPTS, round(rate * step_s))
+    return count if cap is None else min(cap, count)
+
+
+def search_outcome(found: dict) -> str:
+    if found["max_request_rate"] is None:
+        return (f"epd-bench: no step passed (the maximum lies below {found['search']['low']:g} req/s, "
+                "or the SLOs cannot be met)")
+    rate, goodput, offered, achieved = (
+        "n/a" if found[key] is None else f"{found[key]:.3g}"
+        for key in ("max_request_rate", "max_request_goodput", "max_offered_rate", "max_achieved_rate"))
+    return (f"epd-bench: maximum rate meeting the SLOs: {rate} req/s (goodput {goodput}; its window offered "
+            f"{offered} and achieved {achieved} req/s)")
 
 
 def write_json(path: Path | None, value) -> None:
@@ -122,15 +162,14 @@ async def run_search(args: argparse.Namespace, dataset: RandomMMConfig, slos: di
     def on_step(result: dict) -> None:
         steps.append(result)
         print(json.dumps(result), flush=True)
-        print(f"epd-bench: step {len(steps)}: rate {result['request_rate']:.3g} req/s, "
-              f"{result['num_prompts']} requests, SLO attainment {result['slo_attainment']:.3f} -> "
-              f"{'pass' if result['passed'] else 'miss'}", file=sys.stderr, flush=True)
+        print(describe_step(len(steps), result, settings), file=sys.stderr, flush=True)
         write_json(args.json, {"partial": True, "search": asdict(settings), "steps": steps})
 
     async with bench_runner(args.base_url, args.model, dataset, args.burstiness, args.max_concurrency,
-                            args.seed, slos, not args.no_progress) as runner:
+                            args.seed, slos, not args.no_progress, window=settings.window(),
+                            stop=settings.stop()) as runner:
         async def measure(rate: float, index: int) -> dict:
-            return await runner.measure(rate, index, step_prompts(rate, args.search_step_s, args.num_prompts))
+            return await runner.measure(rate, index, step_prompts(rate, settings.step_s, args.num_prompts))
 
         return await search_max_goodput(measure, settings, on_step)
 
@@ -142,6 +181,7 @@ def main(argv: list[str]) -> int:
         slos = parse_goodput(args.goodput)
         search = build_search(args, slos)
         rates = None if search else parse_rates(args.request_rate)
+        window = None if search else fixed_rate_window(args)
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError("--max-concurrency must be >= 1")
         if not args.burstiness > 0:
@@ -153,11 +193,11 @@ def main(argv: list[str]) -> int:
         if search:
             found = asyncio.run(run_search(args, dataset, slos, search))
             results, saved = found["steps"], found
-            print(f"epd-bench: maximum rate meeting the SLOs: {found['max_request_rate']} req/s "
-                  f"(goodput {found['max_request_goodput']})", file=sys.stderr)
+            print(search_outcome(found), file=sys.stderr)
         else:
             results = asyncio.run(run_sweep(args.base_url, args.model, dataset, rates, args.burstiness,
-                                            args.max_concurrency, args.seed, slos, not args.no_progress))
+                                            args.max_concurrency, args.seed, slos, not args.no_progress,
+                                            window=window))
             saved = results[0] if len(results) == 1 else results
             for result in results:
                 print(json.dumps(result))

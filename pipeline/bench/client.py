@@ -3,13 +3,17 @@
 One aiohttp session; each request is a streaming chat completion. TTFT is the
 time to the first chunk with non-empty content, ITL the gaps between content
 chunks, E2EL the time to the end of the stream. Every failure becomes a
-record with its error text; nothing is dropped.
+record with its error text; nothing is dropped. A search step has a stop
+rule (stop.py): the requests it cancels (their HTTP streams closed, so the
+server aborts them) become failed records whose error starts "cancelled:".
+Fixed-rate runs have none and wait for every request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +26,8 @@ import numpy as np
 
 from pipeline.bench.dataset import BenchRequest, RandomMMConfig, arrival_offsets, sample_requests
 from pipeline.bench.metrics import RequestRecord, by_class, summarize
+from pipeline.bench.stop import CANCELLED, StopRule, next_check_at, stop_reason
+from pipeline.bench.window import WindowSpec, window_summary
 
 
 class BenchError(Exception):
@@ -70,15 +76,21 @@ def build_payload(model: str, req: BenchRequest) -> dict:
 
 async def send_request(session: aiohttp.ClientSession, base_url: str, model: str, req: BenchRequest) -> RequestRecord:
     url = base_url.rstrip("/") + "/v1/chat/completions"
-    record = RequestRecord(success=False, num_images=len(req.image_urls))
+    record = RequestRecord(success=False, num_images=len(req.images))
     start = time.perf_counter()
     try:
         async with session.post(url, json=build_payload(model, req)) as resp:
-            if resp.status != 200:
-                text = (await resp.text())[:200].replace("\n", " ")
-                record.error = f"HTTP {resp.status}: {text}"
-                return record
-            await _read_stream(resp, record, start)
+            try:
+                if resp.status != 200:
+                    text = (await resp.text())[:200].replace("\n", " ")
+                    record.error = f"HTTP {resp.status}: {text}"
+                    return record
+                await _read_stream(resp, record, start)
+            except asyncio.CancelledError:
+                # Drop the connection rather than return it to the pool: the
+                # server sees the client leave and aborts the request.
+                resp.close()
+                raise
     except (aiohttp.ClientError, asyncio.TimeoutError, ProtocolError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     return record
@@ -148,42 +160,100 @@ class Progress:
 
 
 async def run_load(session: aiohttp.ClientSession, base_url: str, model: str, requests: list[BenchRequest],
-                   offsets: list[float], max_concurrency: int | None,
-                   progress: Progress) -> tuple[list[RequestRecord], float]:
+                   offsets: list[float], max_concurrency: int | None, progress: Progress,
+                   window: WindowSpec = WindowSpec(),
+                   stop: StopRule | None = None) -> tuple[list[RequestRecord], float]:
     """Open loop: each request is sent at its offset whether or not earlier ones
     finished; --max-concurrency only makes late arrivals wait for a slot.
-    Returns the records (in request order) and the run's wall duration."""
+    Without `stop` it waits for every request; with one it cancels the rest
+    when the rule says so. Returns the records (in request order) and the
+    run's wall duration."""
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    start = time.perf_counter()
+    sent_at: list[float] = []
+    finished: list[RequestRecord] = []
 
-    async def one(req: BenchRequest) -> RequestRecord:
+    async def one(req: BenchRequest, arrived: float) -> RequestRecord:
         if slots is None:
             record = await send_request(session, base_url, model, req)
         else:
             async with slots:
                 record = await send_request(session, base_url, model, req)
+        record.sent_at, record.done_at = arrived, time.perf_counter() - start
+        finished.append(record)
         progress.update(record)
         return record
 
-    start = time.perf_counter()
     tasks = []
     for req, offset in zip(requests, offsets):
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(req)))
-    records = await asyncio.gather(*tasks)
-    return list(records), time.perf_counter() - start
+        sent_at.append(time.perf_counter() - start)
+        tasks.append(asyncio.create_task(one(req, sent_at[-1])))
+    if stop is None:
+        records = list(await asyncio.gather(*tasks))
+    else:
+        reason = await _wait_until_stop(tasks, sent_at, finished, start, window, stop)
+        if reason is None:
+            records = [task.result() for task in tasks]
+        else:
+            records = await _cancel_rest(tasks, requests, sent_at, start, reason, progress)
+    return records, time.perf_counter() - start
+
+
+async def _wait_until_stop(tasks: list[asyncio.Task], sent_at: list[float], finished: list[RequestRecord],
+                           start: float, window: WindowSpec, stop: StopRule) -> str | None:
+    """Wait until every task is done (None) or the stop rule gives a reason."""
+    pending = set(tasks)
+    while pending:
+        now = time.perf_counter() - start
+        reason = stop_reason(sent_at, finished, now, window, stop)
+        if reason is not None:
+            return reason
+        wait_s = next_check_at(sent_at, finished, now, window, stop) - now
+        # Until a request succeeds the shift D, and with it the verdict time,
+        # is unknown: wake at the next completion. Afterwards wake only at the
+        # rule's times (or once all are done), so a step of thousands of
+        # requests is not re-judged per completion; a later change of D
+        # moves the verdict by about that change.
+        until = asyncio.ALL_COMPLETED if any(r.success for r in finished) else asyncio.FIRST_COMPLETED
+        _, pending = await asyncio.wait(pending, timeout=max(wait_s, 0.0), return_when=until)
+    return None
+
+
+async def _cancel_rest(tasks: list[asyncio.Task], requests: list[BenchRequest], sent_at: list[float],
+                       start: float, reason: str, progress: Progress) -> list[RequestRecord]:
+    """Every request's record, the unfinished ones cancelled and recorded as failed with `reason`."""
+    pending = [task for task in tasks if not task.done()]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    cancelled_at = time.perf_counter() - start
+    records = []
+    for task, req, arrived in zip(tasks, requests, sent_at):
+        if task.cancelled():
+            record = RequestRecord(False, error=reason, num_images=len(req.images), sent_at=arrived,
+                                   done_at=cancelled_at)
+            progress.update(record)
+        else:
+            record = task.result()
+        records.append(record)
+    return records
 
 
 class BenchRunner:
-    """One HTTP session and model for many runs: a sweep's rates or a search's steps."""
+    """One HTTP session and model for many runs: a sweep's rates or a search's
+    steps. `window` sets how each run's sustained rates are measured; `stop`
+    (a search's) lets a run cancel what a rate that fell behind left running."""
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, dataset: RandomMMConfig,
                  burstiness: float, max_concurrency: int | None, seed: int, slos: dict[str, float],
-                 show_progress: bool = True):
+                 show_progress: bool = True, *, window: WindowSpec = WindowSpec(), stop: StopRule | None = None):
         self.session, self.base_url, self.model, self.dataset = session, base_url, model, dataset
         self.burstiness, self.max_concurrency, self.seed = burstiness, max_concurrency, seed
         self.slos, self.show_progress = slos, show_progress
+        self.window, self.stop = window, stop
 
     async def measure(self, rate: float, index: int, num_prompts: int | None = None) -> dict:
         """One run at `rate`. Run `index` uses seed + index, so later runs see
@@ -194,10 +264,13 @@ class BenchRunner:
         offsets = arrival_offsets(len(requests), rate, self.burstiness, rng).tolist()
         progress = Progress(f"rate {rate:g}", len(requests), self.show_progress)
         records, duration = await run_load(self.session, self.base_url, self.model, requests, offsets,
-                                           self.max_concurrency, progress)
+                                           self.max_concurrency, progress, self.window, self.stop)
         result = summarize(records, duration, self.slos)
         if dataset.text_only_fraction:
             result["by_class"] = by_class(records)   # not a vLLM key
+        # Not vLLM keys: the measurement window's rates and SLO figures (window.py).
+        result.update(window_summary(records, self.window, self.slos, burst=math.isinf(rate)))
+        result["cancelled"] = sum(r.error.startswith(CANCELLED) for r in records)
         # JSON has no infinity; vLLM writes the string "inf".
         result.update(model_id=self.model, num_prompts=len(requests),
                       request_rate=rate if rate != float("inf") else "inf",
@@ -208,18 +281,20 @@ class BenchRunner:
 @asynccontextmanager
 async def bench_runner(base_url: str, model: str | None, dataset: RandomMMConfig, burstiness: float,
                        max_concurrency: int | None, seed: int, slos: dict[str, float],
-                       show_progress: bool = True) -> AsyncIterator[BenchRunner]:
+                       show_progress: bool = True, *, window: WindowSpec = WindowSpec(),
+                       stop: StopRule | None = None) -> AsyncIterator[BenchRunner]:
     async with new_session() as session:
         if model is None:
             model = await fetch_default_model(session, base_url)
         yield BenchRunner(session, base_url, model, dataset, burstiness, max_concurrency, seed, slos,
-                          show_progress)
+                          show_progress, window=window, stop=stop)
 
 
 async def run_sweep(base_url: str, model: str | None, dataset: RandomMMConfig, rates: list[float],
                     burstiness: float, max_concurrency: int | None, seed: int,
-                    slos: dict[str, float], show_progress: bool = True) -> list[dict]:
-    """One result dict per rate, run one after another."""
+                    slos: dict[str, float], show_progress: bool = True, *,
+                    window: WindowSpec = WindowSpec()) -> list[dict]:
+    """One result dict per rate, run one after another, each waiting for all its requests."""
     async with bench_runner(base_url, model, dataset, burstiness, max_concurrency, seed, slos,
-                            show_progress) as runner:
+                            show_progress, window=window) as runner:
         return [await runner.measure(rate, index) for index, rate in enumerate(rates)]

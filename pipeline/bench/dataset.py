@@ -1,6 +1,17 @@
 """The `random-mm` workload: random text plus random-noise JPEG images, and
 the open-loop arrival schedule.
 
+Images are cheap to make: a few noise JPEGs per size bucket are encoded once
+per process (PIXEL_POOL_SIZE), and every image sent is one of them with a
+JPEG comment segment (COM, right after SOI) holding a nonce. The server
+hashes bytes, so each nonce is a distinct cache key and a full encode, while
+no request pays for a JPEG encode (about 10 ms each on a slow host, which
+would delay a 30 s search step by seconds). A request keeps only the
+image's recipe (NoiseImage); its data URL is built when it is sent, so a long
+step does not hold hundreds of megabytes of base64 at once. With
+--image-reuse, a reused image repeats the nonce of an earlier one and is
+byte-identical to it.
+
 Prompt length is counted in words drawn from a list of common English words,
 each of which most BPE tokenizers encode as one token, so `--random-input-len`
 is a text-token estimate (~1 token per word). The server-reported prompt
@@ -11,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import functools
 import io
 import math
 from dataclasses import dataclass
@@ -29,6 +41,10 @@ WORDS = (
 # Images drawn from the shared pool come from this many distinct images per
 # size bucket: small enough that reuse produces repeated hashes quickly.
 POOL_SIZE_PER_BUCKET = 4
+# Noise pictures encoded per size bucket, whose pixels every image reuses.
+PIXEL_POOL_SIZE = 4
+JPEG_URL_PREFIX = "data:image/jpeg;base64,"
+SOI, COM = b"\xff\xd8", b"\xff\xfe"
 
 Bucket = tuple[int, int, int]
 
@@ -61,12 +77,55 @@ class RandomMMConfig:
                 raise ValueError(message)
 
 
+def _encode_noise_jpeg(height: int, width: int, index: int) -> bytes:
+    pixels = np.random.default_rng((height, width, index)).integers(0, 256, size=(height, width, 3),
+                                                                     dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG", quality=85)
+    return buffer.getvalue()
+
+
+@functools.lru_cache(maxsize=None)
+def pooled_jpeg_tail(height: int, width: int, index: int) -> str:
+    """base64 of pool JPEG `index` without its SOI marker, encoded once per process."""
+    jpeg = _encode_noise_jpeg(height, width, index)
+    if not jpeg.startswith(SOI):
+        raise RuntimeError("Pillow wrote a JPEG without an SOI marker")
+    return base64.b64encode(jpeg[len(SOI):]).decode("ascii")
+
+
+@dataclass(frozen=True)
+class NoiseImage:
+    """An image's recipe: pool pixels plus the nonce that makes its bytes
+    unique (two images with the same recipe are byte-identical)."""
+
+    height: int
+    width: int
+    pool_index: int
+    nonce: str
+
+    def data_url(self) -> str:
+        payload = self.nonce.encode("ascii")
+        # SOI, marker and length take 6 bytes; a payload of a multiple of 3
+        # keeps the head a whole number of base64 groups, so the cached
+        # base64 of the pool JPEG's rest joins it as is.
+        payload += b" " * (-len(payload) % 3)
+        head = SOI + COM + (len(payload) + 2).to_bytes(2, "big") + payload
+        tail = pooled_jpeg_tail(self.height, self.width, self.pool_index)
+        return JPEG_URL_PREFIX + base64.b64encode(head).decode("ascii") + tail
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     prompt: str
     prompt_len: int
     output_len: int
-    image_urls: tuple[str, ...]
+    images: tuple[NoiseImage, ...]
+
+    @property
+    def image_urls(self) -> tuple[str, ...]:
+        """The images as data URLs, built on each call (see the module docstring)."""
+        return tuple(image.data_url() for image in self.images)
 
 
 def parse_bucket_config(text: str) -> dict[Bucket, float]:
@@ -96,38 +155,34 @@ def _uniform_int(rng: np.random.Generator, base: int, ratio: float, minimum: int
     return int(rng.integers(low, high + 1))
 
 
-def _noise_jpeg_url(rng: np.random.Generator, height: int, width: int) -> str:
-    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="JPEG", quality=85)
-    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
 class _ImageSource:
-    """Fresh noise images, or with probability `reuse` one from a small pool."""
+    """Unique noise images, or with probability `reuse` one from a small pool
+    of POOL_SIZE_PER_BUCKET images per bucket (byte-identical on each draw)."""
 
     def __init__(self, cfg: RandomMMConfig, rng: np.random.Generator):
         self.rng = rng
         self.reuse = cfg.image_reuse
         self.buckets = list(cfg.buckets)
         self.probs = np.array([cfg.buckets[b] for b in self.buckets])
-        self.pool: dict[tuple[Bucket, int], str] = {}
+        # Drawn from the run's seeded stream: another run (another seed)
+        # sends other bytes and does not hit caches an earlier run warmed.
+        self.run_token = int(rng.integers(2 ** 62))
 
-    def draw(self) -> str:
+    def draw(self, request_index: int, item_index: int) -> NoiseImage:
         bucket = self.buckets[int(self.rng.choice(len(self.buckets), p=self.probs))]
         height, width, _ = bucket
         if self.rng.random() >= self.reuse:
-            return _noise_jpeg_url(self.rng, height, width)
-        key = (bucket, int(self.rng.integers(POOL_SIZE_PER_BUCKET)))
-        if key not in self.pool:
-            self.pool[key] = _noise_jpeg_url(self.rng, height, width)
-        return self.pool[key]
+            pixels = int(self.rng.integers(PIXEL_POOL_SIZE))
+            return NoiseImage(height, width, pixels, f"epd-bench {self.run_token} {request_index} {item_index}")
+        slot = int(self.rng.integers(POOL_SIZE_PER_BUCKET))
+        return NoiseImage(height, width, slot % PIXEL_POOL_SIZE,
+                          f"epd-bench {self.run_token} reuse {height}x{width} {slot}")
 
 
 def sample_requests(cfg: RandomMMConfig, rng: np.random.Generator) -> list[BenchRequest]:
     images = _ImageSource(cfg, rng)
     requests = []
-    for _ in range(cfg.num_prompts):
+    for index in range(cfg.num_prompts):
         prompt_len = _uniform_int(rng, cfg.input_len, cfg.range_ratio, 1)
         output_len = _uniform_int(rng, cfg.output_len, cfg.range_ratio, 1)
         num_images = _uniform_int(rng, cfg.base_items, cfg.items_range_ratio, 0)
@@ -136,8 +191,8 @@ def sample_requests(cfg: RandomMMConfig, rng: np.random.Generator) -> list[Bench
             num_images = 0
         words = rng.choice(len(WORDS), size=prompt_len)
         prompt = " ".join(WORDS[i] for i in words)
-        urls = tuple(images.draw() for _ in range(num_images))
-        requests.append(BenchRequest(prompt, prompt_len, output_len, urls))
+        drawn = tuple(images.draw(index, item) for item in range(num_images))
+        requests.append(BenchRequest(prompt, prompt_len, output_len, drawn))
     return requests
 
 

@@ -28,6 +28,11 @@ class RequestRecord:
     e2el: float = 0.0
     error: str = ""
     num_images: int = 0
+    # Seconds since the run's start (perf_counter): when the request arrived
+    # in the open-loop schedule, and when its stream ended or failed. The
+    # measurement window (window.py) is built from these.
+    sent_at: float = 0.0
+    done_at: float = 0.0
 
     @property
     def tpot(self) -> float | None:
