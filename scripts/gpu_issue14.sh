@@ -17,7 +17,10 @@ if [ "${TINY:-0}" != 1 ]; then
 fi
 export PYTHONUNBUFFERED=1
 R=/tmp/issue14; mkdir -p "$R"; cp results/* "$R/" 2>/dev/null
-tiny=(); [ "${TINY:-0}" = 1 ] && tiny=(--tiny --image-size 224 --output-len 16 --step-s "${STEP_S:-8}")
+tiny=(); [ "${TINY:-0}" = 1 ] && { tiny=(--tiny --image-size 224 --output-len 16 --step-s "${STEP_S:-8}"); SIZE=224 OLEN=16; }
+# A call cut off at its limit loses what only the end would copy: a tarball
+# of everything so far lands in $OUT every 20 s.
+(while sleep 20; do tar czf "$OUT/partial.tgz" -C /tmp issue14 2>/dev/null; done) &
 profile=(--profile "$R/profile.json")
 
 if [ "$PHASE" = 1 ]; then
@@ -26,9 +29,9 @@ if [ "$PHASE" = 1 ]; then
     timeout 300 python3 bin/epd-plan --profile-out "$R/profile.json" --repeats 2 --vision-batches 1,4 \
       --decode-batches 1,8 --prefill-tokens 256,2048 --image-sizes 224x224
   else
-    timeout 240 python3 bin/epd-plan --profile-out "$R/profile.json" --random-weights qwen2.5-vl-3b --gpus 0 \
+    timeout 180 python3 bin/epd-plan --profile-out "$R/profile.json" --random-weights qwen2.5-vl-3b --gpus 0 \
       --vision-graphs 16 --max-num-seqs 128 --vision-batches 1,4,16 --decode-batches 1,16,64,128 \
-      --prefill-tokens 512,2048 --repeats 6
+      --prefill-tokens 512,2048 --repeats 5
   fi
   for w in 4:400 1:400 4:2000 1:2000; do
     python3 bin/epd-plan --profile "$R/profile.json" --gpus 1 --images "${w%%:*}" --input-len "${w##*:}" \
@@ -36,7 +39,7 @@ if [ "$PHASE" = 1 ]; then
       && python3 bin/epd-plan --profile "$R/profile.json" --gpus 1 --images "${w%%:*}" --input-len "${w##*:}" \
       --image-size "${SIZE:-640}x${SIZE:-640}" --output-len "${OLEN:-150}"
   done
-  timeout 420 python3 scripts/gpu_sustained.py --layout aggregated --out "$R" "${profile[@]}" "${tiny[@]}" \
+  timeout 390 python3 scripts/gpu_sustained.py --layout aggregated --out "$R" "${profile[@]}" "${tiny[@]}" \
     --workload 4:400 --workload 1:400
 elif [ "$PHASE" = 2 ]; then
   timeout 570 python3 scripts/gpu_sustained.py --layout epd --out "$R" "${profile[@]}" "${tiny[@]}" \
@@ -49,7 +52,8 @@ elif [ "$PHASE" = 3 ]; then
 fi
 rc=$?
 # Few, shallow files come back: the profile, the summaries and a tarball of everything.
+kill %1 2>/dev/null
 cp "$R"/profile.json "$R"/*summary.json "$OUT/" 2>/dev/null
-tar czf "$OUT/issue14-phase$PHASE.tgz" -C /tmp issue14
+tar czf "$OUT/issue14-phase$PHASE.tgz" -C /tmp issue14 && rm -f "$OUT/partial.tgz"
 ls "$OUT"
 exit $rc
