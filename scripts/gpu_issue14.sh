@@ -2,7 +2,8 @@
 # Issue 14 on one H200, in device calls of at most 10 minutes each:
 #   run(command="PHASE=1 bash scripts/gpu_issue14.sh", carry=[".whl"])          # profile + aggregated 4x400, mixed, 1x400
 #   run(command="PHASE=2 bash scripts/gpu_issue14.sh", carry=[".whl", "results"]) # EPD colocated: same, + 4x2000
-#   run(command="PHASE=3 bash scripts/gpu_issue14.sh", carry=[".whl", "results"]) # 2000-token workloads left
+#   run(command="PHASE=3 bash scripts/gpu_issue14.sh", carry=[".whl", "results"]) # profile again, aggregated rest
+#   run(command="PHASE=4 bash scripts/gpu_issue14.sh", carry=[".whl", "results"]) # EPD rest
 # Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
 # results of PHASE 1 from results/ (copy the files PHASE 1 brought back
@@ -23,13 +24,13 @@ tiny=(); [ "${TINY:-0}" = 1 ] && { tiny=(--tiny --image-size 224 --output-len 16
 (while sleep 20; do tar czf "$OUT/partial.tgz" -C /tmp issue14 2>/dev/null; done) &
 profile=(--profile "$R/profile.json")
 
-if [ "$PHASE" = 1 ]; then
+profile_box() {
   echo "== epd-plan --profile-out"
   if [ "${TINY:-0}" = 1 ]; then
     timeout 300 python3 bin/epd-plan --profile-out "$R/profile.json" --repeats 2 --vision-batches 1,4 \
       --decode-batches 1,8 --prefill-tokens 256,2048 --image-sizes 224x224
   else
-    timeout 180 python3 bin/epd-plan --profile-out "$R/profile.json" --random-weights qwen2.5-vl-3b --gpus 0 \
+    timeout 200 python3 bin/epd-plan --profile-out "$R/profile.json" --random-weights qwen2.5-vl-3b --gpus 0 \
       --vision-graphs 16 --max-num-seqs 128 --vision-batches 1,4,16 --decode-batches 1,16,64,128 \
       --prefill-tokens 512,2048 --repeats 5
   fi
@@ -39,21 +40,30 @@ if [ "$PHASE" = 1 ]; then
       && python3 bin/epd-plan --profile "$R/profile.json" --gpus 1 --images "${w%%:*}" --input-len "${w##*:}" \
       --image-size "${SIZE:-640}x${SIZE:-640}" --output-len "${OLEN:-150}"
   done
+}
+
+# Session 8 ran PHASE 1 and 2 (whose profile failed: fixed since), then 3
+# and 4: the profile again, the 2000-token workloads, and the searches whose
+# maximum lay above their bracket, from the brackets below.
+if [ "$PHASE" = 1 ]; then
+  profile_box
   timeout 390 python3 scripts/gpu_sustained.py --layout aggregated --out "$R" "${profile[@]}" "${tiny[@]}" \
     --workload 4:400 --workload 1:400
 elif [ "$PHASE" = 2 ]; then
   timeout 570 python3 scripts/gpu_sustained.py --layout epd --out "$R" "${profile[@]}" "${tiny[@]}" \
     --interference-from "$R/aggregated-4img-400tok.json" --workload 4:400 --workload 1:400 --workload 4:2000:2
 elif [ "$PHASE" = 3 ]; then
-  timeout 300 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/agg2000" "${profile[@]}" "${tiny[@]}" \
-    --workload 4:2000:2 --workload 1:2000:2
-  timeout 240 python3 scripts/gpu_sustained.py --layout epd --out "$R/epd2000" "${profile[@]}" "${tiny[@]}" \
-    --workload 1:2000:2
+  profile_box
+  timeout 340 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/p3" "${profile[@]}" "${tiny[@]}" \
+    --workload "1:400:2:${AGG_1X400:-34:48}" --workload 4:2000:2 --workload 1:2000:2
+elif [ "$PHASE" = 4 ]; then
+  timeout 400 python3 scripts/gpu_sustained.py --layout epd --out "$R/p4" "${profile[@]}" "${tiny[@]}" \
+    --workload 1:2000:2 --workload "4:400:2:${EPD_4X400:-15.3:21}" --workload "1:400:2:${EPD_1X400:-40.9:56}"
 fi
 rc=$?
 # Few, shallow files come back: the profile, the summaries and a tarball of everything.
 kill %1 2>/dev/null
-cp "$R"/profile.json "$R"/*summary.json "$OUT/" 2>/dev/null
+cp "$R"/profile.json "$R"/*summary.json "$R"/p[34]/*summary.json "$OUT/" 2>/dev/null
 tar czf "$OUT/issue14-phase$PHASE.tgz" -C /tmp issue14 && rm -f "$OUT/partial.tgz"
 ls "$OUT"
 exit $rc

@@ -9,7 +9,7 @@
 (so the launcher starts its own MPS daemon on the shared GPU); aggregated:
 --mode aggregated --generators 1. Both with --random-weights qwen2.5-vl-3b
 --dtype bfloat16 --device cuda --gpus 0 and the same stage flags. Per
-workload I:T[:STEPS] (images of 640x640, T text tokens, 150 output
+workload I:T[:STEPS[:LOW:HIGH]] (images of 640x640, T text tokens, 150 output
 tokens): a warm-up burst, then epd-bench's sustained goodput search (30 s
 of arrivals per step; a step passes with no failure, P99 TTFT <= 2 s, P99
 TPOT <= 50 ms and achieved >= 0.95x offered), its bracket centred on
@@ -47,7 +47,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layout", choices=("epd", "aggregated"), required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--workload", action="append", required=True, metavar="I:T[:STEPS]")
+    p.add_argument("--workload", action="append", required=True, metavar="I:T[:STEPS[:LOW:HIGH]]",
+                   help="images, text tokens, search steps, and the bracket (default: around the prediction)")
     p.add_argument("--profile", type=Path, help="epd-plan profile: brackets centred on its predictions")
     p.add_argument("--interference-rate", type=float)
     p.add_argument("--interference-from", type=Path, help="an aggregated 4img-400tok result file")
@@ -93,10 +94,11 @@ def predicted_rate(args: argparse.Namespace, images: int, text: int) -> float:
     return FALLBACK_RATE[args.layout] * scale * (8 if args.tiny else 1)
 
 
-def search(args: argparse.Namespace, stack: LaunchedStack, images: int, text: int, steps: int) -> dict:
+def search(args: argparse.Namespace, stack: LaunchedStack, images: int, text: int, steps: int,
+           bracket: tuple[float, float] | None = None) -> dict:
     name = f"{args.layout}-{images}img-{text}tok"
     rate = predicted_rate(args, images, text)
-    low, high = 0.7 * rate, 1.4 * rate
+    low, high = bracket or (0.7 * rate, 1.4 * rate)
     log = args.out / "logs" / f"{name}.log"
     warmup = ["--base-url", stack.base_url, *workload_flags(args, images, text), "--num-prompts", "16",
               "--request-rate", "inf", "--seed", "999"]
@@ -144,8 +146,10 @@ def main(argv: list[str]) -> int:
     try:
         summary["ready_s"] = round(stack.start(ready_timeout=240), 1)
         for item in args.workload:
-            images, text, *rest = (int(v) for v in item.split(":"))
-            summary["searches"].append(search(args, stack, images, text, rest[0] if rest else 3))
+            images, text, *rest = (float(v) for v in item.split(":"))
+            images, text = int(images), int(text)
+            bracket = (rest[1], rest[2]) if len(rest) == 3 else None
+            summary["searches"].append(search(args, stack, images, text, int(rest[0]) if rest else 3, bracket))
             path.write_text(json.dumps(summary, indent=2) + "\n")
             print(json.dumps(summary["searches"][-1]), flush=True)
             if (images, text) == (4, 400) and (rate := interference_rate(args) or (

@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
         if args.profile is not None:
             return plan_main(args)
         from pipeline.planner.profile_run import profile_main   # torch: only to measure
-        return profile_main(args)
+        return profile_main(args, argv)
     except (ProfileError, ValueError, RuntimeError, OSError) as exc:
         print(f"epd-plan: error: {exc}", file=sys.stderr)
         return 1

@@ -25,6 +25,7 @@ from pipeline.planner.measure import READY, Box, MeasureSettings
 DECODING = 32
 VISION_BATCH = 8
 PREFILL = 1500
+DECODE_TOKENS = 1024
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -53,9 +54,17 @@ def main(argv: list[str]) -> int:
         pixels, grids = box.vision_input(args.width, args.height, VISION_BATCH)
         work = lambda: box.vision(pixels, grids)  # noqa: E731
     else:
-        for _ in range(DECODING):
-            box.add(args.context_len, 1_000_000)
-        work = lambda: (box.add(PREFILL, 1), box.engine.step())  # noqa: E731
+        decoding: set[str] = set()
+
+        def work():
+            # Keep DECODING sequences going (each gets a bounded length: the
+            # KV cache must admit it) and one new prompt per step.
+            while len(decoding) < DECODING:
+                decoding.add(box.add(args.context_len, DECODE_TOKENS))
+            box.add(PREFILL, 1)
+            for out in box.engine.step():
+                if out.finished:
+                    decoding.discard(out.request_id)
     with torch.inference_mode():
         work()
         box.sync()

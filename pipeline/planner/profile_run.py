@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -16,20 +17,23 @@ from pipeline.launch.mps import PIPE_VAR, MpsConfig, MpsDaemon, MpsError
 CLIENT = "epd-plan"
 
 
-def profile_main(args: argparse.Namespace) -> int:
+def profile_main(args: argparse.Namespace, argv: list[str]) -> int:
     say = _printer()
     cuda = args.device == "cuda" or (args.device == "auto" and _names_a_real_model(args) and _has_gpu(args))
     daemon = None
-    # MPS clients attach when CUDA starts up in them: the daemon and the
-    # variables must come before the first CUDA call of this process.
     if cuda and not args.no_beside and args.mps != "off":
         daemon = _start_mps(args.mps == "on", say)
+    if daemon is None or not daemon.client_env:
+        return _measure_and_write(args, cuda, mps=PIPE_VAR in os.environ, say=say)
+    # Our own daemon: the measuring runs in a child, its client. The daemon
+    # quits only once its clients are gone, and a CUDA context lives as long
+    # as its process; so this process must never become one.
     try:
-        return _measure_and_write(args, cuda, mps=daemon is not None or PIPE_VAR in os.environ, say=say)
+        child = [sys.executable, str(Path(__file__).resolve().parents[2] / "bin" / "epd-plan"), *argv, "--mps", "off"]
+        return subprocess.run(child, env={**os.environ, **daemon.client_env}).returncode
     finally:
-        if daemon is not None:
-            daemon.stop()
-            shutil.rmtree(daemon.config.root.parent, ignore_errors=True)
+        daemon.stop()
+        shutil.rmtree(daemon.config.root.parent, ignore_errors=True)
 
 
 def _measure_and_write(args: argparse.Namespace, cuda: bool, mps: bool, say) -> int:
@@ -52,20 +56,20 @@ def _measure_and_write(args: argparse.Namespace, cuda: bool, mps: bool, say) -> 
 
 
 def _start_mps(required: bool, say) -> MpsDaemon | None:
-    """A private daemon (or the operator's, named by CUDA_MPS_PIPE_DIRECTORY);
-    None when none could start and `required` is off."""
+    """A private daemon (or the operator's, named by CUDA_MPS_PIPE_DIRECTORY,
+    whose client_env is then empty); None when none could start and
+    `required` is off."""
     root = Path(tempfile.mkdtemp(prefix="epd-plan-")) / "mps"
     daemon = MpsDaemon(MpsConfig(root, frozenset({CLIENT}), required=required),
                        lambda line: say(line.replace("epd-launch:", "epd-plan:", 1)))
     try:
-        env = daemon.start()
+        daemon.start()
     except MpsError as exc:
         root.parent.rmdir()
         if required:
             raise RuntimeError(f"MPS could not start ({exc})") from None
         say(f"epd-plan: warning: MPS could not start ({exc}); the beside timings time-slice the GPU")
         return None
-    os.environ.update(env)
     return daemon
 
 
