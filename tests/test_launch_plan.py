@@ -1,8 +1,13 @@
-"""The launcher's placement plans (pure: nothing is started) and its
-command line's one-line errors."""
+"""The launcher's placement plans (pure: nothing is started), the MPS
+config and --placement auto's choice that follow from them, and its command
+line's one-line errors. Every plan test names the placement it checks:
+dedicated is the reference design's layout (encoders first, one stage per
+GPU, round-robin), colocated the default's (a generator on every GPU,
+encoders on the emptiest GPU)."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -11,8 +16,15 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from pipeline.launch.auto_placement import PlanWorkload, choose_placement
+from pipeline.launch.placement import describe, place_stages
 from pipeline.launch.plan import (
-    HostFacts, LaunchError, LaunchOptions, http_url, plan_stages, shared_gpus)
+    HostFacts, LaunchError, LaunchOptions, generator_memory_shares, http_url, mps_config, plan_stages,
+    shared_gpus)
+from pipeline.planner.cache import cached_profile_path
+from pipeline.planner.capacity import Layout, Workload, predict
+from pipeline.planner.profile import image_tokens, save_profile
+from test_planner import make_profile
 
 RUN = Path("/tmp/epd-test-run")  # only names addresses in plan tests; nothing is bound
 MODEL = Path("/models/qwen2.5-vl-3b")
@@ -33,17 +45,21 @@ def by_role(specs):
 
 # ---- plans ------------------------------------------------------------------
 
-def test_one_encoder_three_generators_on_four_gpus():
-    specs = plan_stages(options(), HostFacts(gpu_count=4))
+@pytest.mark.parametrize("placement, encoder_gpu, generator_gpus", [
+    ("dedicated", 0, [1, 2, 3]),
+    ("colocated", 3, [0, 1, 2]),   # the generators first; the free GPU takes the encoder
+])
+def test_one_encoder_three_generators_on_four_gpus(placement, encoder_gpu, generator_gpus):
+    specs = plan_stages(options(placement=placement), HostFacts(gpu_count=4))
     assert [(s.instance, s.device) for s in specs] == [
-        ("encoder-0", "cuda:0"), ("generator-0", "cuda:1"), ("generator-1", "cuda:2"),
-        ("generator-2", "cuda:3"), ("proxy", "cpu")]
+        ("encoder-0", f"cuda:{encoder_gpu}"), *[(f"generator-{i}", f"cuda:{g}") for i, g in enumerate(generator_gpus)],
+        ("proxy", "cpu")]
     assert shared_gpus(specs) == {}
     roles = by_role(specs)
     encoder, proxy = roles["encoder"][0], roles["proxy"][0]
     assert encoder.argv[:3] == ["python", "-m", "stages.encoder"]
     assert proxy.argv[:3] == ["python", "-m", "stages.proxy"]
-    assert flag_values(encoder.args, "--device") == ["cuda:0"]
+    assert flag_values(encoder.args, "--device") == [f"cuda:{encoder_gpu}"]
     assert flag_values(encoder.args, "--instance") == ["encoder-0"]
     # Every stage that hashes content uses one model id.
     assert flag_values(encoder.args, "--model-id") == flag_values(proxy.args, "--model-id") == [MODEL.name]
@@ -62,44 +78,76 @@ def test_one_encoder_three_generators_on_four_gpus():
         assert "CUDA_VISIBLE_DEVICES" not in spec.env
 
 
-def test_fewer_gpus_than_stages_share_round_robin():
-    specs = plan_stages(options(), HostFacts(gpu_count=2))
+def test_dedicated_fewer_gpus_than_stages_share_round_robin():
+    specs = plan_stages(options(placement="dedicated"), HostFacts(gpu_count=2))
     assert [s.device for s in specs] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cpu"]
     assert shared_gpus(specs) == {"cuda:0": ["encoder-0", "generator-1"],
                                   "cuda:1": ["generator-0", "generator-2"]}
     assert all(s.env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID" for s in specs if s.role != "proxy")
 
 
+def test_colocated_fewer_gpus_than_stages_put_the_encoder_on_the_emptier_gpu():
+    """Generators round-robin (cuda:0 gets two), then the encoder joins the GPU
+    with fewer stages."""
+    specs = plan_stages(options(placement="colocated"), HostFacts(gpu_count=2))
+    assert [s.device for s in specs] == ["cuda:1", "cuda:0", "cuda:1", "cuda:0", "cpu"]
+    assert shared_gpus(specs) == {"cuda:1": ["encoder-0", "generator-1"],
+                                  "cuda:0": ["generator-0", "generator-2"]}
+
+
 def memory_share(spec) -> list[str]:
     return [a.split("=", 1)[1] for a in spec.args if a.startswith("--gpu-memory-utilization=")]
 
 
-def test_generators_sharing_a_gpu_split_its_memory():
-    """1 encoder + 3 generators on 2 GPUs: cuda:0 holds the encoder and
-    generator-1 (0.9 - 0.1), cuda:1 two generators (0.45 each); alone on a
-    GPU a generator keeps its own default; the operator's flag wins."""
-    specs = plan_stages(options(), HostFacts(gpu_count=2))
+@pytest.mark.parametrize("placement, expected", [
+    # dedicated: cuda:0 holds the encoder and generator-1 (0.9 - 0.1), cuda:1 two generators (0.45 each)
+    ("dedicated", [("cuda:1", ["0.450"]), ("cuda:0", ["0.800"]), ("cuda:1", ["0.450"])]),
+    # colocated: the same split on the other GPU numbers
+    ("colocated", [("cuda:0", ["0.450"]), ("cuda:1", ["0.800"]), ("cuda:0", ["0.450"])]),
+])
+def test_generators_sharing_a_gpu_split_its_memory(placement, expected):
+    """1 encoder + 3 generators on 2 GPUs; alone on a GPU a generator keeps
+    its own default; the operator's flag wins."""
+    specs = plan_stages(options(placement=placement), HostFacts(gpu_count=2))
     gens = by_role(specs)["generator"]
-    assert [(g.device, memory_share(g)) for g in gens] == [
-        ("cuda:1", ["0.450"]), ("cuda:0", ["0.800"]), ("cuda:1", ["0.450"])]
-    assert all(memory_share(g) == [] for g in by_role(plan_stages(options(), HostFacts(gpu_count=4)))["generator"])
-    own = plan_stages(options(stage_args=(("generator", "--gpu-memory-utilization=0.3"),)), HostFacts(gpu_count=2))
+    assert [(g.device, memory_share(g)) for g in gens] == expected
+    four = plan_stages(options(placement=placement), HostFacts(gpu_count=4))
+    assert all(memory_share(g) == [] for g in by_role(four)["generator"])
+    own = plan_stages(options(placement=placement, stage_args=(("generator", "--gpu-memory-utilization=0.3"),)),
+                      HostFacts(gpu_count=2))
     assert all(memory_share(g) == ["0.3"] for g in by_role(own)["generator"])
-    cpu = plan_stages(options(device="cpu"), HostFacts(gpu_count=0))
+    cpu = plan_stages(options(placement=placement, device="cpu"), HostFacts(gpu_count=0))
     assert all(memory_share(g) == [] for g in by_role(cpu)["generator"])
     with pytest.raises(LaunchError, match="no memory left"):
-        plan_stages(options(encoders=9, generators=1), HostFacts(gpu_count=1))
+        plan_stages(options(placement=placement, encoders=9, generators=1), HostFacts(gpu_count=1))
 
 
-def test_gpu_subset():
-    specs = plan_stages(options(encoders=1, generators=2, gpus=(1, 3)), HostFacts(gpu_count=4))
-    assert [s.device for s in specs] == ["cuda:1", "cuda:3", "cuda:1", "cpu"]
+def test_memory_shares_follow_the_colocated_placement_on_eight_gpus():
+    """1E+8G: the encoder joins generator-0 on cuda:0 (0.9 - 0.1); the
+    other seven generators are alone and keep their default."""
+    specs = plan_stages(options(placement="colocated", encoders=1, generators=8), HostFacts(gpu_count=8))
+    gens = by_role(specs)["generator"]
+    assert [memory_share(g) for g in gens] == [["0.800"]] + [[]] * 7
+    # Two encoders and two generators on one GPU: (0.9 - 2 * 0.1) / 2 each.
+    assert generator_memory_shares(["cuda:0", "cuda:0"], ["cuda:0", "cuda:0", "cuda:1"], ()) == [
+        ("--gpu-memory-utilization=0.350",), ("--gpu-memory-utilization=0.350",), ()]
+
+
+@pytest.mark.parametrize("placement, expected", [
+    ("dedicated", ["cuda:1", "cuda:3", "cuda:1", "cpu"]),
+    ("colocated", ["cuda:1", "cuda:1", "cuda:3", "cpu"]),   # a tie of stages: the first GPU of the list
+])
+def test_gpu_subset(placement, expected):
+    specs = plan_stages(options(encoders=1, generators=2, gpus=(1, 3), placement=placement), HostFacts(gpu_count=4))
+    assert [s.device for s in specs] == expected
     with pytest.raises(LaunchError, match=r"--gpus 5: only 4 GPU\(s\)"):
-        plan_stages(options(gpus=(0, 5)), HostFacts(gpu_count=4))
+        plan_stages(options(gpus=(0, 5), placement=placement), HostFacts(gpu_count=4))
 
 
-def test_aggregated_mode_starts_no_encoders():
-    specs = plan_stages(options(encoders=0, generators=2, mode="aggregated"), HostFacts(gpu_count=2))
+@pytest.mark.parametrize("placement", ["dedicated", "colocated"])
+def test_aggregated_mode_starts_no_encoders(placement):
+    specs = plan_stages(options(encoders=0, generators=2, mode="aggregated", placement=placement),
+                        HostFacts(gpu_count=2))
     roles = by_role(specs)
     assert roles["encoder"] == [] and len(roles["generator"]) == 2
     for spec in roles["generator"] + roles["proxy"]:
@@ -150,11 +198,15 @@ def test_dtype_and_stage_args_pass_through_in_order():
     assert flag_values(proxy.args, "--drain-timeout") == ["2.5"]
 
 
-def test_random_weights_reach_the_model_stages_and_the_folder_every_stage():
+@pytest.mark.parametrize("placement, expected", [
+    ("dedicated", ["cuda:0", "cuda:1", "cpu"]),
+    ("colocated", ["cuda:1", "cuda:0", "cpu"]),
+])
+def test_random_weights_reach_the_model_stages_and_the_folder_every_stage(placement, expected):
     folder = Path("/cache/epd/qwen2.5-vl-3b-v1")
-    opts = options(model=None, random_weights="qwen2.5-vl-3b", encoders=1, generators=1)
+    opts = options(model=None, random_weights="qwen2.5-vl-3b", encoders=1, generators=1, placement=placement)
     specs = plan_stages(opts, HostFacts(gpu_count=2, builtin_model=folder))
-    assert [s.device for s in specs] == ["cuda:0", "cuda:1", "cpu"]  # auto: a real-size shape uses GPUs
+    assert [s.device for s in specs] == expected  # device auto: a real-size shape uses GPUs
     roles = by_role(specs)
     for spec in roles["encoder"] + roles["generator"]:
         assert flag_values(spec.args, "--random-weights") == ["qwen2.5-vl-3b"]
@@ -162,6 +214,153 @@ def test_random_weights_reach_the_model_stages_and_the_folder_every_stage():
     assert all(flag_values(s.args, "--model") == [str(folder)] for s in specs)
     assert flag_values(roles["proxy"][0].args, "--model-id") == ["qwen2.5-vl-3b-v1"]
 
+
+# ---- the placements, GPU by GPU ------------------------------------------------
+
+@pytest.mark.parametrize("gpus, encoders, generators, colocated, dedicated", [
+    # 1E+3G: (encoder GPUs, generator GPUs) per placement
+    (1, 1, 3, ([0], [0, 0, 0]), ([0], [0, 0, 0])),
+    (2, 1, 3, ([1], [0, 1, 0]), ([0], [1, 0, 1])),
+    (4, 1, 3, ([3], [0, 1, 2]), ([0], [1, 2, 3])),
+    (8, 1, 3, ([3], [0, 1, 2]), ([0], [1, 2, 3])),   # cuda:4..7 unused either way
+    (8, 1, 1, ([1], [0]), ([0], [1])),
+    (8, 2, 4, ([4, 5], [0, 1, 2, 3]), ([0, 1], [2, 3, 4, 5])),
+    (8, 1, 8, ([0], [0, 1, 2, 3, 4, 5, 6, 7]), ([0], [1, 2, 3, 4, 5, 6, 7, 0])),
+])
+@pytest.mark.parametrize("placement", ["colocated", "dedicated"])
+def test_placements(placement, gpus, encoders, generators, colocated, dedicated):
+    encoder_gpus, generator_gpus = colocated if placement == "colocated" else dedicated
+    specs = plan_stages(options(encoders=encoders, generators=generators, placement=placement),
+                        HostFacts(gpu_count=gpus))
+    roles = by_role(specs)
+    assert [s.device for s in roles["encoder"]] == [f"cuda:{g}" for g in encoder_gpus]
+    assert [s.device for s in roles["generator"]] == [f"cuda:{g}" for g in generator_gpus]
+    assert [flag_values(s.args, "--device") for s in roles["encoder"] + roles["generator"]] == [
+        [f"cuda:{g}"] for g in encoder_gpus + generator_gpus]
+
+
+def test_plan_stages_takes_the_options_placement_unless_told():
+    facts = HostFacts(gpu_count=4)
+    devices = lambda specs: [s.device for s in specs]  # noqa: E731
+    colocated = ["cuda:3", "cuda:0", "cuda:1", "cuda:2", "cpu"]
+    dedicated = ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cpu"]
+    assert options().placement == "auto"
+    assert devices(plan_stages(options(), facts)) == colocated   # auto without a choice: colocated
+    assert devices(plan_stages(options(placement="dedicated"), facts)) == dedicated
+    assert devices(plan_stages(options(), facts, "dedicated")) == dedicated   # the choice wins
+    assert devices(plan_stages(options(placement="dedicated"), facts, "colocated")) == colocated
+
+
+def test_colocated_takes_a_free_gpu_before_sharing_one():
+    assert place_stages(1, 2, (0, 1, 2), "colocated") == [2, 0, 1]
+    assert place_stages(2, 2, (0, 1, 2), "colocated") == [2, 0, 0, 1]   # then the first GPU
+    assert place_stages(1, 2, (5, 7, 9), "colocated") == [9, 5, 7]     # GPU numbers, not indices
+
+
+@pytest.mark.parametrize("encoders, generators, gpus", [(4, 2, 2), (3, 4, 4), (6, 2, 4), (5, 8, 8), (9, 3, 4)])
+def test_colocated_spreads_encoders_evenly(encoders, generators, gpus):
+    devices = place_stages(encoders, generators, tuple(range(gpus)), "colocated")
+    on = lambda stages, gpu: stages.count(gpu)  # noqa: E731
+    per_gpu_encoders = [on(devices[:encoders], g) for g in range(gpus)]
+    per_gpu_stages = [on(devices, g) for g in range(gpus)]
+    assert sum(per_gpu_encoders) == encoders
+    assert max(per_gpu_encoders) - min(per_gpu_encoders) <= 1
+    assert max(per_gpu_stages) - min(per_gpu_stages) <= 1
+    assert devices[encoders:] == [g % gpus for g in range(generators)]
+
+
+def test_colocated_spread_exactly():
+    # Generators on 0 and 1; the encoders fill 2 and 3, then go round again.
+    assert place_stages(6, 2, (0, 1, 2, 3), "colocated")[:6] == [2, 3, 0, 1, 2, 3]
+    assert place_stages(4, 2, (0, 1), "colocated")[:4] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("placement, gpus, message", [
+    ("auto", (0,), "placement must be one of colocated, dedicated"),
+    ("spread", (0,), "placement must be one of colocated, dedicated"),
+    ("colocated", (), "no GPUs"),
+])
+def test_place_stages_refuses(placement, gpus, message):
+    with pytest.raises(ValueError, match=message):
+        place_stages(1, 1, gpus, placement)
+
+
+def test_describe_lists_each_gpu_in_number_order_and_the_unused_ones():
+    assert describe(["encoder-0", "generator-0", "generator-1"], ["cuda:10", "cuda:2", "cuda:10"],
+                    (2, 3, 10)) == "cuda:2: generator-0; cuda:3: unused; cuda:10: encoder-0 + generator-1"
+    assert describe(["encoder-0", "generator-0"], ["cpu", "cpu"]) == "cpu: encoder-0 + generator-0"
+
+
+# ---- MPS ------------------------------------------------------------------------
+
+MODEL_STAGES = ["encoder-0", "generator-0", "generator-1", "generator-2"]
+
+
+def test_mps_auto_with_a_shared_gpu_takes_every_cuda_stage(tmp_path):
+    opts = options(placement="colocated")
+    specs = plan_stages(opts, HostFacts(gpu_count=2))
+    config = mps_config(opts, specs, tmp_path)
+    assert config is not None
+    assert config.clients == frozenset(MODEL_STAGES)   # every CUDA stage, the proxy not
+    assert config.encoders == frozenset({"encoder-0"})
+    assert config.root == tmp_path / "mps"
+    assert config.required is False and config.encoder_sm_percent is None
+    assert set(config.shared) == {"cuda:0", "cuda:1"}
+
+
+def test_mps_clients_include_stages_alone_on_a_gpu(tmp_path):
+    """2E+2G colocated on 3 GPUs: cuda:0 is shared; the encoder alone on
+    cuda:2 is a client too (CUDA IPC stays within one daemon)."""
+    opts = options(encoders=2, generators=2, placement="colocated")
+    specs = plan_stages(opts, HostFacts(gpu_count=3))
+    assert [s.device for s in specs[:4]] == ["cuda:2", "cuda:0", "cuda:0", "cuda:1"]
+    config = mps_config(opts, specs, tmp_path)
+    assert config.clients == frozenset({"encoder-0", "encoder-1", "generator-0", "generator-1"})
+    assert config.encoders == frozenset({"encoder-0", "encoder-1"})
+    assert config.shared == ("cuda:0",)
+
+
+@pytest.mark.parametrize("placement", ["colocated", "dedicated"])
+def test_mps_auto_without_sharing_is_none(tmp_path, placement):
+    opts = options(placement=placement)
+    specs = plan_stages(opts, HostFacts(gpu_count=4))
+    assert shared_gpus(specs) == {}
+    assert mps_config(opts, specs, tmp_path) is None
+
+
+def test_mps_off_is_none_even_with_a_shared_gpu(tmp_path):
+    opts = options(mps="off", placement="colocated")
+    specs = plan_stages(opts, HostFacts(gpu_count=1))
+    assert shared_gpus(specs)
+    assert mps_config(opts, specs, tmp_path) is None
+
+
+def test_mps_on_without_a_gpu_stage_is_an_error(tmp_path):
+    opts = options(mps="on", device="cpu")
+    with pytest.raises(LaunchError, match="--mps on: no stage runs on a GPU") as info:
+        mps_config(opts, plan_stages(opts, HostFacts(gpu_count=4)), tmp_path)
+    assert "\n" not in str(info.value)
+    # auto on the CPU: simply no daemon.
+    cpu = options(device="cpu")
+    assert mps_config(cpu, plan_stages(cpu, HostFacts(gpu_count=0)), tmp_path) is None
+
+
+def test_mps_on_without_sharing_is_a_required_daemon(tmp_path):
+    opts = options(mps="on", placement="dedicated", encoder_sm_percent=30)
+    specs = plan_stages(opts, HostFacts(gpu_count=4))
+    config = mps_config(opts, specs, tmp_path)
+    assert config is not None and config.required is True
+    assert config.clients == frozenset(MODEL_STAGES) and config.shared == ()
+    assert config.encoder_sm_percent == 30 and config.encoders == frozenset({"encoder-0"})
+
+
+def test_encoder_sm_percent_reaches_the_config(tmp_path):
+    opts = options(placement="colocated", encoder_sm_percent=25)
+    config = mps_config(opts, plan_stages(opts, HostFacts(gpu_count=1)), tmp_path)
+    assert config.encoder_sm_percent == 25 and config.required is False
+
+
+# ---- bad options ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(random_weights="qwen-99b"), "--random-weights must be one of"),
@@ -180,6 +379,11 @@ def test_random_weights_reach_the_model_stages_and_the_folder_every_stage():
     (dict(drain_timeout=-1.0), "--drain-timeout must be >= 0"),
     (dict(drain_timeout=float("nan")), "--drain-timeout must be >= 0"),
     (dict(stage_args=(("proxy", "--drain-timeout=5"),)), "--drain-timeout is set by the launcher"),
+    (dict(placement="x"), "--placement must be one of colocated, dedicated, auto"),
+    (dict(mps="x"), "--mps must be one of auto, on, off"),
+    (dict(encoder_sm_percent=0), r"--encoder-sm-percent must be in 1\.\.100 \(got 0\)"),
+    (dict(encoder_sm_percent=101), r"--encoder-sm-percent must be in 1\.\.100 \(got 101\)"),
+    (dict(encoder_sm_percent=50, mps="off"), "--encoder-sm-percent needs MPS"),
 ])
 def test_bad_options_are_one_line_errors(overrides, message):
     with pytest.raises(LaunchError, match=message) as info:
@@ -194,6 +398,123 @@ def test_cuda_without_gpus_is_an_error():
     assert {s.device for s in plan_stages(options(), HostFacts(gpu_count=0))} == {"cpu"}
 
 
+# ---- --placement auto -----------------------------------------------------------------
+
+GPU_NAME = "NVIDIA Test GPU"
+
+
+def write_profile(path: Path, **curves) -> Path:
+    save_profile(make_profile(**curves), path)
+    return path
+
+
+def default_workload(profile) -> Workload:
+    """PlanWorkload's defaults, as choose_placement turns them into a Workload."""
+    return Workload(1, image_tokens(profile, 640, 640), 400, 150, 2.0, 0.05)
+
+
+@pytest.mark.parametrize("placement", ["colocated", "dedicated"])
+def test_a_concrete_placement_is_taken_as_asked(tmp_path, placement):
+    profile = write_profile(tmp_path / "p.json")
+    choice = choose_placement(options(placement=placement, profile=profile), HostFacts(gpu_count=4), MODEL.name)
+    assert (choice.placement, choice.reason) == (placement, "as asked (--placement)")
+
+
+@pytest.mark.parametrize("overrides, facts, placement, words", [
+    (dict(device="cpu"), HostFacts(gpu_count=4), "colocated", "CPU"),
+    (dict(model=None), HostFacts(gpu_count=4, builtin_model=Path("/cache/tiny")), "colocated", "CPU"),
+    (dict(encoders=0, generators=4, mode="aggregated"), HostFacts(gpu_count=4), "dedicated", "aggregated"),
+    (dict(), HostFacts(gpu_count=1), "colocated", "one GPU"),
+    (dict(gpus=(2,)), HostFacts(gpu_count=4), "colocated", "one GPU"),
+])
+def test_auto_without_a_choice_to_make(tmp_path, overrides, facts, placement, words):
+    profile = write_profile(tmp_path / "p.json", vision_beside=10.0, generator_beside=10.0)
+    choice = choose_placement(options(profile=profile, **overrides), facts, MODEL.name)
+    assert choice.placement == placement and words in choice.reason
+
+
+def test_auto_without_a_profile_colocates_and_says_how_to_measure_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path / "empty-cache"))
+    for facts in (HostFacts(gpu_count=4), HostFacts(gpu_count=4, gpu_name=GPU_NAME)):
+        choice = choose_placement(options(), facts, MODEL.name)
+        assert choice.placement == "colocated"
+        assert "without a profile" in choice.reason and "epd-plan --profile-out" in choice.reason
+
+
+@pytest.mark.parametrize("content, words", [(None, "No such file"), ("{}", "not an EPD profile"),
+                                            ('{"format": "epd-profile/1"', "not an EPD profile")])
+def test_a_profile_flag_that_cannot_be_read_is_a_one_line_error(tmp_path, content, words):
+    """A --profile the operator named is never taken for "no profile"."""
+    path = tmp_path / "p.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(LaunchError) as info:
+        choose_placement(options(profile=path), HostFacts(gpu_count=4), MODEL.name)
+    message = str(info.value)
+    assert message.startswith(f"--profile {path}: ") and words in message and "\n" not in message
+
+
+def test_the_cached_profile_is_found_by_model_and_gpu_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path / "cache"))
+    cached = write_profile(cached_profile_path(MODEL.name, GPU_NAME))
+    assert cached.is_relative_to(tmp_path / "cache")
+    choice = choose_placement(options(), HostFacts(gpu_count=4, gpu_name=GPU_NAME), MODEL.name)
+    assert choice.reason.startswith(f"auto from {cached}: predicted ")
+    # Another GPU kind has no profile; a spoiled cached one is skipped, saying why.
+    other = choose_placement(options(), HostFacts(gpu_count=4, gpu_name="Another GPU"), MODEL.name)
+    assert "without a profile" in other.reason
+    cached.write_text("{}")
+    spoiled = choose_placement(options(), HostFacts(gpu_count=4, gpu_name=GPU_NAME), MODEL.name)
+    assert spoiled.placement == "colocated" and "the cached profile is unusable" in spoiled.reason
+    assert str(cached) in spoiled.reason and "\n" not in spoiled.reason
+
+
+def rate_in(reason: str) -> str:
+    found = re.search(r"predicted (\S+) req/s \(bound: \w+\)", reason)
+    assert found, reason
+    return found.group(1)
+
+
+@pytest.mark.parametrize("beside", [1.0, 10.0])
+def test_auto_colocates_and_names_the_predicted_rate(tmp_path, beside):
+    """For given counts both placements put the same stages together, so auto
+    colocates whatever sharing costs; the reason names the prediction for
+    the asked layout, the workload, and the profile."""
+    path = write_profile(tmp_path / "p.json", vision_beside=beside, generator_beside=beside)
+    choice = choose_placement(options(profile=path), HostFacts(gpu_count=4), MODEL.name, PlanWorkload())
+    assert choice.placement == "colocated"
+    profile = make_profile(vision_beside=beside, generator_beside=beside)
+    expected = predict(profile, default_workload(profile), Layout(1, 3, "colocated", 4))
+    assert rate_in(choice.reason) == f"{expected.max_rate:.1f}"
+    assert f"auto from {path}" in choice.reason and "1 image(s) of 640x640, 400 text tokens" in choice.reason
+
+
+@pytest.mark.parametrize("encoders, generators", [(1, 3), (2, 4), (1, 1)])
+def test_colocated_and_dedicated_share_gpus_alike_for_given_counts(encoders, generators):
+    """Why auto need not choose between them: the multiset of per-GPU stage mixes is the same."""
+    for gpus in (1, 2, 4, 8):
+        mixes = []
+        for placement in ("colocated", "dedicated"):
+            devices = place_stages(encoders, generators, tuple(range(gpus)), placement)
+            roles = ["e"] * encoders + ["g"] * generators
+            mixes.append(sorted("".join(sorted(r for r, d in zip(roles, devices) if d == g)) for g in range(gpus)))
+        assert mixes[0] == mixes[1], (encoders, generators, gpus)
+
+
+def test_auto_says_when_the_profile_favours_other_stage_counts(tmp_path):
+    """1 encoder + 3 generators asked on 4 GPUs, but the profile (here: an
+    encoder beside every generator costs nothing) favours another layout."""
+    path = write_profile(tmp_path / "p.json")
+    choice = choose_placement(options(profile=path), HostFacts(gpu_count=4), MODEL.name)
+    assert "the profile favours colocated " in choice.reason
+    favoured = re.search(r"favours colocated (\d+)E\+(\d+)G on 4 GPU", choice.reason)
+    encoders, generators = int(favoured.group(1)), int(favoured.group(2))
+    assert (encoders, generators) != (1, 3)
+    asked = choose_placement(options(profile=path, encoders=encoders, generators=generators),
+                             HostFacts(gpu_count=4), MODEL.name)
+    assert "favours" not in asked.reason
+
+
 def test_urls():
     assert http_url("127.0.0.1", 8000, "/v1") == "http://127.0.0.1:8000/v1"
     assert http_url("0.0.0.0", 80, "/health", for_client=True) == "http://127.0.0.1:80/health"
@@ -205,6 +526,10 @@ def test_urls():
     (["--mode", "aggregated", "--encoders", "2"], "--encoders must be 0 with --mode aggregated"),
     (["--port", "99999"], "--port must be in 1..65535"),
     (["--stage-arg", "generator"], "expected ROLE=ARG"),
+    (["--placement", "nowhere"], "argument --placement: invalid choice: 'nowhere'"),
+    (["--mps", "sometimes"], "argument --mps: invalid choice: 'sometimes'"),
+    (["--encoder-sm-percent", "101"], "--encoder-sm-percent must be in 1..100"),
+    (["--encoder-sm-percent", "50", "--mps", "off"], "--encoder-sm-percent needs MPS"),
 ])
 def test_cli_rejects_bad_options_with_exit_2(argv, message):
     result = subprocess.run([sys.executable, str(REPO / "bin" / "epd-launch"), *argv],

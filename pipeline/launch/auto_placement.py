@@ -1,8 +1,14 @@
-"""`bin/epd-launch --placement auto`: colocated or dedicated, for the stage
-counts asked for, by the capacity planner's prediction for the workload
-flags, from a box profile (--profile, else the one epd-plan cached for this
-model on this kind of GPU); colocated when there is none. Either way one
-line says what was chosen and why."""
+"""`bin/epd-launch --placement auto`: where the stages asked for go, and what
+the capacity planner predicts of them for the workload flags, from a box
+profile (--profile, else the one epd-plan cached for this model on this
+kind of GPU). One line says what was chosen and why.
+
+For given stage counts, colocated and dedicated put the same mix of stages
+on each GPU (round-robin spreads them alike; only the GPU numbers differ:
+checked for every count up to 12 GPUs and 19 stages of each kind), so auto
+places them colocated and the real choice is of the counts: where the
+profile predicts more of another layout for this GPU count, the line says
+so (e.g. "favours colocated 4E+4G on 4 GPU(s)")."""
 
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ def choose_placement(options: LaunchOptions, facts: HostFacts, model_id: str,
     if len(gpus) == 1:
         return PlacementChoice("colocated", "one GPU: every stage shares it")
     path = options.profile or (cached_profile_path(model_id, facts.gpu_name) if facts.gpu_name else None)
-    if path is None or not Path(path).is_file():
+    if path is None or (options.profile is None and not Path(path).is_file()):  # a named --profile must exist
         return PlacementChoice("colocated", "auto without a profile: colocated (bin/epd-plan --profile-out FILE "
                                             "measures one; then --profile FILE)")
     try:
@@ -56,13 +62,10 @@ def choose_placement(options: LaunchOptions, facts: HostFacts, model_id: str,
         return PlacementChoice("colocated", f"auto: the cached profile is unusable ({exc}); colocated")
     load = Workload(workload.images, image_tokens(profile, *workload.image_size), workload.input_len,
                     workload.output_len, workload.slo_ttft_ms / 1000, workload.slo_tpot_ms / 1000)
-    rates = {kind: predict(profile, load, Layout(options.encoders, options.generators, kind, len(gpus)))
-             for kind in ("colocated", "dedicated")}
-    chosen = max(rates, key=lambda kind: (rates[kind].max_rate, kind == "colocated"))
+    asked = predict(profile, load, Layout(options.encoders, options.generators, "colocated", len(gpus)))
     _, best = plan(profile, load, candidate_layouts(len(gpus)))
-    hint = "" if best.layout.encoders == options.encoders and best.layout.generators == options.generators else (
-        f"; for this workload the profile favours {best.layout.name} ({best.max_rate:.1f} req/s)")
-    return PlacementChoice(chosen, f"auto from {path}: predicted {rates['colocated'].max_rate:.1f} req/s colocated, "
-                                   f"{rates['dedicated'].max_rate:.1f} dedicated for {workload.images} image(s) of "
-                                   f"{workload.image_size[0]}x{workload.image_size[1]}, {workload.input_len} text "
-                                   f"tokens{hint}")
+    same = best.layout.encoders == options.encoders and best.layout.generators == options.generators
+    hint = "" if same else f"; for this workload the profile favours {best.layout.name} ({best.max_rate:.1f} req/s)"
+    return PlacementChoice("colocated", f"auto from {path}: predicted {asked.max_rate:.1f} req/s (bound: "
+                                        f"{asked.bound}) for {workload.images} image(s) of {workload.image_size[0]}x"
+                                        f"{workload.image_size[1]}, {workload.input_len} text tokens{hint}")

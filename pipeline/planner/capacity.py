@@ -117,17 +117,18 @@ class Prediction:
 def evaluate(profile: Profile, workload: Workload, layout: Layout, rate: float) -> Evaluation:
     """Whether `layout` sustains `rate` requests/s of `workload` within its SLOs."""
     encoder_gpus, generator_gpus = layout.stage_gpus()
-    result = Evaluation(rate)
     generator_busy = 1.0  # first pass: encoders beside a fully busy generator
     for _ in range(3):   # the two sides' busy shares depend on each other; 3 passes settle them
         encoders = [_encoder(profile, workload, layout, gpu, encoder_gpus, generator_gpus, rate, generator_busy)
                     for gpu in encoder_gpus]
-        if any(e["busy"] >= 1.0 for e in encoders):
-            return Evaluation(rate, "encoder", {"encoders": encoders})
         generators = [_generator(profile, workload, layout, gpu, encoder_gpus, generator_gpus, encoders, rate)
                       for gpu in generator_gpus]
         generator_busy = max(g.get("busy", 1.0) for g in generators)
-    result.detail = {"encoders": encoders, "generators": generators}
+    # Judged on the settled figures, the ones reported.
+    result = Evaluation(rate, detail={"encoders": encoders, "generators": generators})
+    if not all(e["stable"] for e in encoders):
+        result.failed = "encoder"
+        return result
     for generator in generators:
         if generator.get("failed"):
             result.failed = generator["failed"]
@@ -139,7 +140,7 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
              generator_gpus: list[int], rate: float, generator_busy: float) -> dict:
     images_per_s = rate * workload.images / layout.encoders
     if images_per_s == 0:
-        return {"gpu": gpu, "busy": 0.0, "batch": 0.0, "latency_s": 0.0}
+        return {"gpu": gpu, "busy": 0.0, "batch": 0.0, "latency_s": 0.0, "stable": True}
     share = encoder_gpus.count(gpu)  # encoders sharing a GPU split it
     beside = min(1.0, generator_busy) if gpu in generator_gpus else 0.0
     max_batch = max(1, profile.limits.encoder_max_batch_tokens // workload.image_tokens)
@@ -149,14 +150,20 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
         with_generator = vision_batch_s(profile, workload.image_tokens, batch, beside=True)
         return share * ((1 - beside) * alone + beside * with_generator)
 
+    # A greedy batch server: each forward takes what queued during the last
+    # one. It keeps up at the smallest batch whose forward lasts no longer
+    # than that batch takes to arrive (lambda * T(b) <= b), and is then busy
+    # all the time unless that batch is one image; no such batch within
+    # its token budget: the queue grows.
     batch = 1.0
-    for _ in range(100):
-        batch = min(max_batch, max(1.0, images_per_s * forward_s(batch)))
-    busy = images_per_s * forward_s(batch) / batch
+    while images_per_s * forward_s(batch) > batch and batch < max_batch:
+        batch = min(float(max_batch), batch * 1.02)
+    stable = images_per_s * forward_s(batch) <= batch
+    busy = min(1.0, images_per_s * forward_s(batch) / batch)
     # A forward in progress delays the next batch by up to one forward; the
     # queue grows as busy -> 1.
-    latency = forward_s(batch) * (1.0 + busy / (2.0 * max(1e-9, 1.0 - busy)))
-    return {"gpu": gpu, "busy": busy, "batch": batch, "latency_s": latency}
+    latency = forward_s(batch) * (1.0 + busy / (2.0 * max(0.05, 1.0 - busy)))
+    return {"gpu": gpu, "busy": busy, "batch": batch, "latency_s": latency, "stable": stable}
 
 
 def _generator(profile: Profile, workload: Workload, layout: Layout, gpu: int, encoder_gpus: list[int],
@@ -185,7 +192,7 @@ def _generator(profile: Profile, workload: Workload, layout: Layout, gpu: int, e
             break
     batch = r * workload.output_len * step
     fixed = blend(decode_step_s(profile, 1), decode_step_s(profile, 1, beside=True))
-    busy = max(0.0, min(1.0, 1.0 - fixed / step))
+    busy = max(0.0, min(1.0, 1.0 - fixed / step)) if step > 0 else 0.0
     out.update(step_s=step, decode_batch=batch, busy=busy)
     if step > MAX_STEP_S or not converged:
         return {**out, "failed": "generator"}

@@ -16,29 +16,33 @@ from __future__ import annotations
 
 import bisect
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
 FORMAT = "epd-profile/1"
 
 
+Count = Annotated[int, msgspec.Meta(ge=1)]
+
+
 class VisionPoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    width: int
-    height: int
-    tokens: int  # visual tokens per image the language model sees (after merging)
-    batch: int  # images per forward
+    width: Count
+    height: Count
+    tokens: Count  # visual tokens per image the language model sees (after merging)
+    batch: Count  # images per forward
     alone_s: float  # one forward of the whole batch
     beside_s: float | None = None
 
 
 class DecodePoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    batch: int  # sequences decoding in one step
+    batch: Count  # sequences decoding in one step
     alone_s: float  # one decode step
     beside_s: float | None = None
 
 
 class PrefillPoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    tokens: int  # prompt tokens in one prefill-only step
+    tokens: Count  # prompt tokens in one prefill-only step
     alone_s: float
     beside_s: float | None = None
 
@@ -81,6 +85,11 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("vision", "decode", "prefill"):
             if not getattr(self, name):
                 raise msgspec.ValidationError(f"`{name}` must hold at least one measurement")
+        keys = {"vision": [(p.width, p.height, p.batch) for p in self.vision],
+                "decode": [p.batch for p in self.decode], "prefill": [p.tokens for p in self.prefill]}
+        for name, values in keys.items():
+            if len(set(values)) != len(values):
+                raise msgspec.ValidationError(f"`{name}` measures one point twice")
         for point in [*self.vision, *self.decode, *self.prefill]:
             times = [point.alone_s] + ([point.beside_s] if point.beside_s is not None else [])
             if not all(t > 0 for t in times):
@@ -126,9 +135,12 @@ def _time(point, beside: bool) -> float:
 
 
 def decode_step_s(profile: Profile, batch: float, beside: bool = False) -> float:
-    """One decode step of `batch` sequences."""
+    """One decode step of `batch` sequences; never below the cheapest step
+    measured (a noisy curve that falls must not reach zero)."""
     points = sorted((p.batch, _time(p, beside)) for p in profile.decode)
-    return interpolate(points, max(1.0, batch)) if len(points) > 1 else points[0][1]
+    if len(points) == 1:
+        return points[0][1]
+    return max(min(y for _, y in points), interpolate(points, max(1.0, batch)))
 
 
 def prefill_s_per_token(profile: Profile, beside: bool = False) -> float:

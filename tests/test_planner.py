@@ -1,0 +1,289 @@
+"""The capacity planner's arithmetic (pipeline/planner/capacity.py) against
+hand computations, and the profile format (pipeline/planner/profile.py).
+
+Profiles are made in code with curves simple enough to solve by hand; each
+expected value is computed here from the formula written beside it, never by
+the code under test."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import msgspec
+import pytest
+
+from pipeline.planner.capacity import Layout, Workload, candidate_layouts, plan, predict
+from pipeline.planner.profile import (
+    FORMAT, DecodePoint, EngineLimits, ImageGeometry, PrefillPoint, Profile, ProfileError, VisionPoint,
+    decode_step_s, interpolate, load_profile, prefill_s_per_token, save_profile, vision_batch_s)
+
+IMAGE_TOKENS = 256  # a 448x448 image with 14-pixel patches merged 2x2: (448 / 28) ** 2
+PREFILL_TOKENS = 2048
+
+
+def make_profile(d0: float = 0.01, d1: float = 0.0, t_p: float = 1e-4, image_s: float = 0.01,
+                 vision_beside: float = 1.0, generator_beside: float = 1.0, max_num_seqs: int = 1024,
+                 max_num_batched_tokens: int = 8192) -> Profile:
+    """A box whose curves are: decode step d(B) = d0 + d1*B (two points, so the
+    line holds everywhere); prefill t_p seconds per prompt token (one point);
+    vision T(b) = b * image_s for b images of IMAGE_TOKENS (flat per image).
+    `*_beside` multiply the alone times for the beside figures."""
+    return Profile(
+        format=FORMAT, model_id="hand-made", device_name="NVIDIA Test GPU", gpu_count=8, dtype="bfloat16",
+        mps=True, vision_graphs=0,
+        limits=EngineLimits(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                            encoder_max_batch_tokens=16384, local_encode_tokens=8192),
+        image=ImageGeometry(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=1003520),
+        vision=[VisionPoint(448, 448, IMAGE_TOKENS, b, b * image_s, b * image_s * vision_beside) for b in (1, 4)],
+        decode=[DecodePoint(b, d0 + d1 * b, (d0 + d1 * b) * generator_beside) for b in (1, 64)],
+        prefill=[PrefillPoint(PREFILL_TOKENS, PREFILL_TOKENS * t_p, PREFILL_TOKENS * t_p * generator_beside)])
+
+
+def text_only(input_len: int = 400, output_len: int = 150, slo_tpot_s: float = 0.05) -> Workload:
+    return Workload(images=0, image_tokens=1, input_len=input_len, output_len=output_len, slo_ttft_s=2.0,
+                    slo_tpot_s=slo_tpot_s)
+
+
+# ---- the generator's fixed point -------------------------------------------
+
+@pytest.mark.parametrize("generators, gpus", [(1, 1), (2, 2)])
+def test_text_only_tpot_bound_with_a_flat_decode_curve(generators, gpus):
+    """d(B) = d0: each step of s seconds carries the prompt tokens that arrived
+    meanwhile, s = d0 + r*P*s*t_p, so s = d0 / (1 - r*P*t_p); TPOT ~ s <= S
+    gives r = (1 - d0/S) / (P*t_p) per generator, R = G*r."""
+    d0, t_p, S = 0.01, 1e-4, 0.05
+    load = text_only(slo_tpot_s=S)
+    P = 400 + 20  # the text plus the chat template's tokens
+    assert load.prompt_tokens == P
+    expected = generators * (1 - d0 / S) / (P * t_p)   # 19.05 req/s a generator
+    prediction = predict(make_profile(d0=d0, t_p=t_p), load, Layout(0, generators, "aggregated", gpus))
+    assert prediction.bound == "tpot"
+    assert prediction.max_rate == pytest.approx(expected, rel=0.005)
+    # At the limit the decode batch r*O*S stays well under max_num_seqs, so TPOT is what binds.
+    assert expected / generators * 150 * S < 1024
+
+
+def test_text_only_tpot_bound_with_a_growing_decode_curve():
+    """d(B) = d0 + d1*B with B = r*O*s decoding: s = (d0 + d1*r*O*s) / (1 - r*P*t_p),
+    so s = d0 / (1 - r*(P*t_p + d1*O)); s = S at r = (1 - d0/S) / (P*t_p + d1*O)."""
+    d0, d1, t_p, S, O = 0.01, 2e-4, 1e-4, 0.05, 150
+    P = 400 + 20
+    expected = (1 - d0 / S) / (P * t_p + d1 * O)   # 11.1 req/s
+    prediction = predict(make_profile(d0=d0, d1=d1, t_p=t_p), text_only(output_len=O, slo_tpot_s=S),
+                         Layout(0, 1, "aggregated", 1))
+    assert prediction.bound == "tpot"
+    assert prediction.max_rate == pytest.approx(expected, rel=0.005)
+    assert prediction.detail["generators"][0]["decode_batch"] == pytest.approx(expected * O * S, rel=0.01)
+
+
+def test_generators_sharing_a_gpu_split_it():
+    """Two generators on one GPU each pay twice the costs: per generator
+    r = (1 - 2*d0/S) / (P*2*t_p), R = 2*r = (1 - 2*d0/S) / (P*t_p)."""
+    d0, t_p, S, P = 0.01, 1e-4, 0.05, 420
+    expected = (1 - 2 * d0 / S) / (P * t_p)   # 14.3 req/s
+    prediction = predict(make_profile(d0=d0, t_p=t_p), text_only(slo_tpot_s=S), Layout(0, 2, "aggregated", 1))
+    assert prediction.bound == "tpot"
+    assert prediction.max_rate == pytest.approx(expected, rel=0.005)
+
+
+def test_a_slow_encoder_bounds_the_rate():
+    """Dedicated 1E+1G on 2 GPUs, T(b) = b*t: the encoder gathers no batch
+    (b = lambda*T(b) < b while lambda*t < 1) and is busy lambda*t of the time,
+    lambda = R*I images/s; it keeps up while R < 1/(I*t)."""
+    images, t = 2, 0.4
+    expected = 1 / (images * t)   # 1.25 req/s
+    load = Workload(images=images, image_tokens=IMAGE_TOKENS, input_len=400, output_len=150,
+                    slo_ttft_s=1e6, slo_tpot_s=0.05)   # a queue of any length meets this TTFT
+    profile = make_profile(image_s=t, vision_beside=3.0)   # the encoder's GPU holds no generator: alone times
+    prediction = predict(profile, load, Layout(1, 1, "dedicated", 2))
+    assert prediction.bound == "encoder"
+    assert prediction.max_rate == pytest.approx(expected, rel=0.01)
+    encoder = prediction.detail["encoders"][0]
+    assert encoder["batch"] == 1.0 and encoder["busy"] == pytest.approx(prediction.max_rate * images * t, rel=1e-3)
+
+
+def test_a_colocated_encoder_pays_its_beside_times():
+    """Colocated 1E+1G on 1 GPU beside a busy generator: the same encoder
+    bound with T = beside times, R < 1/(I*t*k) for beside = k * alone, at most."""
+    images, t, k = 2, 0.4, 3.0
+    load = Workload(images=images, image_tokens=IMAGE_TOKENS, input_len=400, output_len=150,
+                    slo_ttft_s=1e6, slo_tpot_s=0.05)
+    alone = predict(make_profile(image_s=t, vision_beside=k), load, Layout(1, 1, "dedicated", 2))
+    beside = predict(make_profile(image_s=t, vision_beside=k), load, Layout(1, 1, "colocated", 1))
+    assert beside.bound == "encoder"
+    # The blend weights beside by how busy the generator is, so between the two bounds.
+    assert 1 / (images * t * k) * 0.99 <= beside.max_rate < alone.max_rate * 0.99
+
+
+def test_an_encoder_that_bounds_the_rate_is_reported_nearly_busy():
+    """Whatever the generator's busy share is taken to be, the verdict and the
+    figures reported at the highest rate must agree: an encoder that bounds
+    the rate is busy ~1 there (as it is in the dedicated case above)."""
+    load = Workload(images=2, image_tokens=IMAGE_TOKENS, input_len=400, output_len=150,
+                    slo_ttft_s=1e6, slo_tpot_s=0.05)
+    prediction = predict(make_profile(image_s=0.4, vision_beside=3.0), load, Layout(1, 1, "colocated", 1))
+    assert prediction.bound == "encoder"
+    assert prediction.detail["encoders"][0]["busy"] > 0.95
+
+
+def test_a_falling_decode_curve_does_not_crash_the_planner():
+    """A noisy measurement can time the larger decode batch faster (seen on
+    the CPU with batches 1 and 2). The line through d(1) = 3 ms, d(2) = 1 ms
+    reaches 0 s at B = 2.5 sequences: at 2 req/s (prefill 0.84 of each step)
+    the fixed point's first step, 3 ms / 0.16, carries 5.6 sequences, whose
+    decode costs 0 s, so the next step is 0 s; the planner must still answer."""
+    data = msgspec.to_builtins(make_profile(t_p=1e-3))
+    data["decode"] = [{"batch": 1, "alone_s": 0.003}, {"batch": 2, "alone_s": 0.001}]
+    falling = msgspec.convert(data, Profile)
+    prediction = predict(falling, text_only(), Layout(0, 1, "aggregated", 1))
+    assert prediction.max_rate > 0
+
+
+def test_two_points_at_one_batch_are_refused_or_read(tmp_path):
+    data = msgspec.to_builtins(make_profile())
+    data["decode"] = [{"batch": 1, "alone_s": 0.01}, {"batch": 1, "alone_s": 0.02}, {"batch": 8, "alone_s": 0.03}]
+    path = tmp_path / "twice.json"
+    path.write_text(json.dumps(data))
+    try:
+        profile = load_profile(path)
+    except ProfileError as exc:   # refusing them is one fix
+        assert str(path) in str(exc)
+        return
+    assert 0.01 <= decode_step_s(profile, 1) <= 0.02   # reading them (e.g. their mean) the other
+
+
+# ---- choosing a layout ------------------------------------------------------
+
+def test_text_only_chooses_aggregated():
+    """Without images encoders idle: colocated layouts tie with aggregated
+    (then the simplest wins) and dedicated ones lose generators."""
+    predictions, chosen = plan(make_profile(), text_only(), candidate_layouts(4))
+    assert chosen.layout == Layout(0, 4, "aggregated", 4)
+    assert chosen.max_rate == pytest.approx(4 * (1 - 0.01 / 0.05) / (420 * 1e-4), rel=0.005)
+    dedicated = [p for p in predictions if p.layout.placement == "dedicated"]
+    assert all(p.max_rate < chosen.max_rate * 0.9 for p in dedicated)
+
+
+def test_a_vision_heavy_workload_chooses_several_encoders():
+    """8 images of 0.05 s each a request, nothing lost beside: one encoder
+    caps the box at 1/(8*0.05) = 2.5 req/s, and generators encoding in their
+    own steps stretch every step; several encoders beside the generators win."""
+    load = Workload(images=8, image_tokens=IMAGE_TOKENS, input_len=400, output_len=150)
+    predictions, chosen = plan(make_profile(image_s=0.05), load, candidate_layouts(4))
+    assert chosen.layout.encoders > 1
+    aggregated = next(p for p in predictions if p.layout.placement == "aggregated")
+    one_encoder = [p for p in predictions if p.layout.encoders == 1]
+    assert chosen.max_rate > 1.5 * aggregated.max_rate
+    assert all(p.max_rate <= 1 / (8 * 0.05) for p in one_encoder)
+
+
+@pytest.mark.parametrize("gpus, expected", [
+    (1, [(0, 1, "aggregated"), (1, 1, "colocated")]),
+    (2, [(0, 2, "aggregated"), (1, 2, "colocated"), (2, 2, "colocated"), (1, 1, "dedicated")]),
+    (4, [(0, 4, "aggregated"), (1, 4, "colocated"), (2, 4, "colocated"), (3, 4, "colocated"),
+         (4, 4, "colocated"), (1, 3, "dedicated"), (2, 2, "dedicated"), (3, 1, "dedicated")]),
+    (8, [(0, 8, "aggregated"), *[(e, 8, "colocated") for e in range(1, 9)],
+         *[(e, 8 - e, "dedicated") for e in range(1, 8)]]),
+])
+def test_candidate_layouts(gpus, expected):
+    layouts = candidate_layouts(gpus)
+    assert [(l.encoders, l.generators, l.placement) for l in layouts] == expected
+    assert {l.gpus for l in layouts} == {gpus}
+
+
+def test_layouts_refuse_inconsistent_counts():
+    with pytest.raises(ValueError, match="aggregated"):
+        Layout(1, 2, "aggregated", 2)
+    with pytest.raises(ValueError, match="aggregated"):
+        Layout(0, 2, "colocated", 2)
+    with pytest.raises(ValueError, match="placement must be one of"):
+        Layout(1, 1, "auto", 2)
+
+
+# ---- the curves ---------------------------------------------------------------
+
+@pytest.mark.parametrize("points, x, expected", [
+    ([(1, 2.0), (3, 6.0)], 2, 4.0),              # inside: on the segment
+    ([(1, 2.0), (3, 6.0)], 3, 6.0),              # on a point
+    ([(1, 1.0), (2, 3.0), (4, 4.0)], 3, 3.5),    # the right segment of three points
+    ([(1, 1.0), (2, 3.0), (4, 4.0)], 8, 6.0),    # beyond the right end: 4 + (8-4) * (4-3)/(4-2)
+    ([(2, 3.0), (4, 4.0)], 0, 2.0),              # beyond the left end: 3 - 2 * (4-3)/(4-2)
+    ([(1, 1.0), (2, 3.0)], 0, 0.0),              # the line goes below zero: clamped
+    ([(4, 2.0)], 6, 3.0),                        # one point: through the origin, 2 * 6/4
+])
+def test_interpolate(points, x, expected):
+    assert interpolate(points, x) == pytest.approx(expected)
+
+
+def test_reading_the_profile_curves():
+    profile = make_profile(d0=0.01, d1=0.001, t_p=2e-4, image_s=0.03, vision_beside=2.0, generator_beside=1.5)
+    assert decode_step_s(profile, 10) == pytest.approx(0.01 + 0.001 * 10)
+    assert decode_step_s(profile, 0.2) == pytest.approx(0.011)    # fewer than one: a step of one
+    assert decode_step_s(profile, 10, beside=True) == pytest.approx(1.5 * 0.02)
+    assert prefill_s_per_token(profile) == pytest.approx(2e-4)
+    assert vision_batch_s(profile, IMAGE_TOKENS, 3) == pytest.approx(3 * 0.03)
+    assert vision_batch_s(profile, IMAGE_TOKENS // 2, 2) == pytest.approx(0.03)   # by visual tokens
+    assert vision_batch_s(profile, IMAGE_TOKENS, 2, beside=True) == pytest.approx(2 * 0.03 * 2.0)
+
+
+# ---- the file format ------------------------------------------------------------
+
+def test_profile_round_trip(tmp_path):
+    profile = make_profile(d1=3e-4, vision_beside=1.7)
+    path = tmp_path / "deep" / "box.json"
+    save_profile(profile, path)
+    assert load_profile(path) == profile
+    assert json.loads(path.read_text())["format"] == FORMAT
+
+
+def _spoil(data: dict, how: str) -> None:
+    if how == "unknown field":
+        data["vision"][0]["colour"] = "blue"
+    elif how == "unknown top field":
+        data["speed"] = 3
+    elif how == "format":
+        data["format"] = "epd-profile/0"
+    elif how == "empty decode":
+        data["decode"] = []
+    elif how == "negative time":
+        data["prefill"][0]["alone_s"] = -0.5
+    elif how == "zero beside":
+        data["vision"][1]["beside_s"] = 0.0
+    elif how == "missing field":
+        del data["limits"]["max_num_seqs"]
+    elif how == "wrong type":
+        data["gpu_count"] = "eight"
+
+
+@pytest.mark.parametrize("how, words", [
+    ("unknown field", "colour"), ("unknown top field", "speed"), ("format", "epd-profile/1"),
+    ("empty decode", "decode"), ("negative time", "> 0"), ("zero beside", "> 0"),
+    ("missing field", "max_num_seqs"), ("wrong type", "gpu_count"),
+])
+def test_malformed_profiles_are_refused_naming_the_file(tmp_path, how, words):
+    data = msgspec.to_builtins(make_profile())
+    _spoil(data, how)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError) as info:
+        load_profile(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and words in message and "\n" not in message
+
+
+@pytest.mark.parametrize("text", ["", "not json", "[1, 2]"])
+def test_files_that_are_not_profiles_are_refused(tmp_path, text):
+    path = tmp_path / "junk.json"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match="not an EPD profile"):
+        load_profile(path)
+    with pytest.raises(ProfileError, match="No such file"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_the_reference_rates_are_finite():
+    """A guard on the helper itself: every layout of the default profile
+    has a finite, positive rate (an infinite one would hide a broken curve)."""
+    predictions, _ = plan(make_profile(), Workload(1, IMAGE_TOKENS, 400, 150), candidate_layouts(2))
+    assert all(0 < p.max_rate < math.inf for p in predictions)
