@@ -67,7 +67,8 @@ class ShmSegment:
             (SHM_DIR / self.name).unlink(missing_ok=True)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -85,7 +86,7 @@ def remove_stale_segments(instance: str) -> list[str]:
         if not match or match["instance"] != instance:
             continue
         pid = int(match["pid"])
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed

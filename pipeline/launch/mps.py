@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from pipeline.arena.shm import pid_alive
+
 PIPE_VAR = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_VAR = "CUDA_MPS_LOG_DIRECTORY"
 SM_PERCENT_VAR = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
@@ -262,12 +264,8 @@ def _read_pid(path: Path) -> int | None:
 def _alive(pid: int) -> bool:
     """A zombie counts as gone: the daemon is reparented to init, which in
     a container may never reap it."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        return True
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
