@@ -18,8 +18,8 @@ from pipeline.planner.profile import FORMAT, load_profile
 
 EPD_PLAN = str(REPO / "bin" / "epd-plan")
 # Decode batches far apart: on a noisy CPU a 1-vs-2 pair sometimes times the
-# larger batch faster, and a falling decode curve crashes the planner (see
-# test_planner's test_a_falling_decode_curve_does_not_crash_the_planner).
+# larger batch faster (the planner floors such a curve: see test_planner's
+# test_a_falling_decode_curve_does_not_crash_the_planner).
 MEASURE = ["--repeats", "3", "--vision-batches", "1,2", "--decode-batches", "1,16", "--prefill-tokens", "32,64",
            "--image-sizes", "224x224"]
 
@@ -53,6 +53,7 @@ def test_profile_out_measures_every_point_alone_and_beside(measured):
     assert sorted(p.tokens for p in profile.prefill) == [32, 64]
     for point in [*profile.vision, *profile.decode, *profile.prefill]:
         assert point.alone_s > 0 and point.beside_s is not None and point.beside_s > 0, point
+        assert point.beside_half_s is not None and point.beside_half_s > 0, point   # beside a load at half duty
 
 
 def test_profile_out_leaves_a_copy_in_the_cache(measured):

@@ -220,11 +220,11 @@ def test_reading_the_profile_curves():
     profile = make_profile(d0=0.01, d1=0.001, t_p=2e-4, image_s=0.03, vision_beside=2.0, generator_beside=1.5)
     assert decode_step_s(profile, 10) == pytest.approx(0.01 + 0.001 * 10)
     assert decode_step_s(profile, 0.2) == pytest.approx(0.011)    # fewer than one: a step of one
-    assert decode_step_s(profile, 10, beside=True) == pytest.approx(1.5 * 0.02)
+    assert decode_step_s(profile, 10, share=1.0) == pytest.approx(1.5 * 0.02)
     assert prefill_s_per_token(profile) == pytest.approx(2e-4)
     assert vision_batch_s(profile, IMAGE_TOKENS, 3) == pytest.approx(3 * 0.03)
     assert vision_batch_s(profile, IMAGE_TOKENS // 2, 2) == pytest.approx(0.03)   # by visual tokens
-    assert vision_batch_s(profile, IMAGE_TOKENS, 2, beside=True) == pytest.approx(2 * 0.03 * 2.0)
+    assert vision_batch_s(profile, IMAGE_TOKENS, 2, share=1.0) == pytest.approx(2 * 0.03 * 2.0)
 
 
 # ---- the file format ------------------------------------------------------------
@@ -287,3 +287,16 @@ def test_the_reference_rates_are_finite():
     has a finite, positive rate (an infinite one would hide a broken curve)."""
     predictions, _ = plan(make_profile(), Workload(1, IMAGE_TOKENS, 400, 150), candidate_layouts(2))
     assert all(0 < p.max_rate < math.inf for p in predictions)
+
+
+def test_a_half_duty_figure_bends_the_interference_curve():
+    """Read at the other side's busy share: alone at 0, beside at 1, and the
+    half-duty figure at 0.5 where measured (else a straight line)."""
+    bent = DecodePoint(1, 1.0, 3.0, 1.2)
+    straight = DecodePoint(1, 1.0, 3.0)
+    base = make_profile()
+    for point, expected in ((bent, {0.0: 1.0, 0.25: 1.1, 0.5: 1.2, 0.75: 2.1, 1.0: 3.0}),
+                            (straight, {0.0: 1.0, 0.5: 2.0, 1.0: 3.0})):
+        profile = msgspec.structs.replace(base, decode=[point])
+        for share, seconds in expected.items():
+            assert decode_step_s(profile, 1, share=share) == pytest.approx(seconds)

@@ -19,8 +19,8 @@ continuous batching:
   mode, the vision forward of the images that arrived (r*I*s). So
   s = d(B) + r*P*s*t_p + V(s), solved as a fixed point; no solution (the
   step grows without bound) means the generator cannot keep up. On a GPU
-  with encoders its costs are the alone costs blended with the beside ones
-  by the encoders' busy share; stages of one kind sharing a GPU split it.
+  with encoders its costs are read at the encoders' busy share the same
+  way; stages of one kind sharing a GPU split it.
 - TTFT = queueing (a wait that grows as rho/(1-rho), rho = the share of each
   step beyond its fixed cost) + the encode latency + the prefill's steps.
 
@@ -38,7 +38,7 @@ from pipeline.launch.placement import place_stages
 from pipeline.planner.profile import Profile, decode_step_s, prefill_s_per_token, vision_batch_s
 
 LAYOUT_KINDS = ("aggregated", "colocated", "dedicated")
-TEMPLATE_TOKENS = 20  # chat-template tokens around a user turn (Qwen's: ~20)
+TEMPLATE_TOKENS = 20  # chat-template tokens around a user turn (about 20 in the templates served today)
 MAX_STEP_S = 60.0  # a step this long means the generator's fixed point diverged
 RATE_CEILING = 1e5
 
@@ -141,14 +141,12 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
     images_per_s = rate * workload.images / layout.encoders
     if images_per_s == 0:
         return {"gpu": gpu, "busy": 0.0, "batch": 0.0, "latency_s": 0.0, "stable": True}
-    share = encoder_gpus.count(gpu)  # encoders sharing a GPU split it
+    crowd = encoder_gpus.count(gpu)  # encoders sharing a GPU split it
     beside = min(1.0, generator_busy) if gpu in generator_gpus else 0.0
     max_batch = max(1, profile.limits.encoder_max_batch_tokens // workload.image_tokens)
 
     def forward_s(batch: float) -> float:
-        alone = vision_batch_s(profile, workload.image_tokens, batch)
-        with_generator = vision_batch_s(profile, workload.image_tokens, batch, beside=True)
-        return share * ((1 - beside) * alone + beside * with_generator)
+        return crowd * vision_batch_s(profile, workload.image_tokens, batch, share=beside)
 
     # A greedy batch server: each forward takes what queued during the last
     # one. It keeps up at the smallest batch whose forward lasts no longer
@@ -169,13 +167,13 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
 def _generator(profile: Profile, workload: Workload, layout: Layout, gpu: int, encoder_gpus: list[int],
                generator_gpus: list[int], encoders: list[dict], rate: float) -> dict:
     r = rate / layout.generators
-    share = generator_gpus.count(gpu)
+    crowd = generator_gpus.count(gpu)  # generators sharing a GPU split it
     encoder_busy = min(1.0, sum(e["busy"] for e, g in zip(encoders, encoder_gpus) if g == gpu))
 
-    def blend(alone: float, beside: float) -> float:
-        return share * ((1 - encoder_busy) * alone + encoder_busy * beside)
+    def decode_s(batch: float) -> float:
+        return crowd * decode_step_s(profile, batch, share=encoder_busy)
 
-    t_p = blend(prefill_s_per_token(profile), prefill_s_per_token(profile, beside=True))
+    t_p = crowd * prefill_s_per_token(profile, share=encoder_busy)
     load = r * workload.prompt_tokens * t_p  # share of every step spent on prefill
     out = {"gpu": gpu, "encoder_busy_beside": encoder_busy, "prefill_share": load}
     if load >= 1.0:
@@ -183,15 +181,15 @@ def _generator(profile: Profile, workload: Workload, layout: Layout, gpu: int, e
     step = decode_step_s(profile, 1)
     for _ in range(200):
         batch = r * workload.output_len * step
-        decode = blend(decode_step_s(profile, batch), decode_step_s(profile, batch, beside=True))
-        vision = share * _inline_vision_s(profile, workload, layout, r, step)
+        decode = decode_s(batch)
+        vision = crowd * _inline_vision_s(profile, workload, layout, r, step)
         new = (decode + vision) / (1.0 - load)
         converged = abs(new - step) <= 1e-9 * max(1.0, new)
         step = new
         if converged or step > MAX_STEP_S:
             break
     batch = r * workload.output_len * step
-    fixed = blend(decode_step_s(profile, 1), decode_step_s(profile, 1, beside=True))
+    fixed = decode_s(1)
     busy = max(0.0, min(1.0, 1.0 - fixed / step)) if step > 0 else 0.0
     out.update(step_s=step, decode_batch=batch, busy=busy)
     if step > MAX_STEP_S or not converged:

@@ -48,6 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     measuring.add_argument("--max-num-seqs", type=int, default=64, help="the generators' --max-num-seqs")
     measuring.add_argument("--repeats", type=int, default=8)
     measuring.add_argument("--no-beside", action="store_true", help="skip the timings beside a load process")
+    measuring.add_argument("--no-half-duty", action="store_true",
+                           help="time beside a load working back to back only, not also beside one busy half the time")
     measuring.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
                            help="run the beside timings under a private MPS daemon (auto: on CUDA)")
     planning = p.add_argument_group("planning (--profile)")

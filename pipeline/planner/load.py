@@ -7,8 +7,10 @@ beside it.
 generator: a loaded generator's steps: 32 sequences decoding while a new
 1500-token prompt is prefilled in every step (mixed steps, as under load:
 it fits the default 2048-token budget beside the decodes).
-vision: back-to-back vision forwards of 8 images of --width x --height.
-Prints READY once the loop runs; SIGTERM stops it.
+vision: vision forwards of 8 images of --width x --height.
+--duty F: busy F of the time (after each unit of work it idles
+(1/F - 1) times as long); 1 runs back to back. Prints READY once the loop
+runs; SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,7 +42,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--height", type=int, default=640)
     p.add_argument("--context-len", type=int, default=1024)
     p.add_argument("--vision-graphs", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--duty", type=float, default=1.0, help="share of the time spent working, in (0, 1]")
+    args = p.parse_args(argv)
+    if not 0 < args.duty <= 1:
+        p.error("--duty must be in (0, 1]")
+    return args
 
 
 def main(argv: list[str]) -> int:
@@ -65,13 +72,17 @@ def main(argv: list[str]) -> int:
             for out in box.engine.step():
                 if out.finished:
                     decoding.discard(out.request_id)
+    idle_per_busy = 1.0 / args.duty - 1.0
     with torch.inference_mode():
         work()
         box.sync()
         print(READY, flush=True)
         while not stopping:
+            started = time.perf_counter()
             work()
             box.sync()
+            if idle_per_busy:
+                time.sleep((time.perf_counter() - started) * idle_per_busy)
     return 0
 
 

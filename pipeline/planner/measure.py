@@ -7,7 +7,11 @@ steps by prompt length, all through the engine and forward the stages run.
 For "beside", a child process (pipeline/planner/load.py) keeps the device
 busy with the other kind of work while the same figures are timed again:
 vision beside a generator's mixed steps, the generator's steps beside a
-vision loop. On a GPU the caller puts both under one MPS daemon.
+vision loop; once with the child working back to back and once busy half
+the time, since serving runs neither side flat out (measured on an H200: a
+decode step beside a vision loop that never paused took 7-8x its time
+alone, beside the serving encoder, busy 0.6-0.7, 1.2-1.6x). On a GPU the
+caller puts both under one MPS daemon.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class MeasureSettings:
     local_encode_tokens: int = 8192
     kv_cache_mib: int = 4096
     beside: bool = True
+    half_duty: bool = True  # also beside a load process busy half the time
     mps: bool = False  # the caller runs this process and the child under MPS
     load_timeout_s: float = 300.0
 
@@ -96,7 +101,7 @@ class Box:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def median_s(self, work: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    def time_s(self, work: Callable[[], object], repeats: int, statistic=np.median, warmup: int = 2) -> float:
         for _ in range(warmup):
             work()
         times = []
@@ -106,7 +111,7 @@ class Box:
             work()
             self.sync()
             times.append(time.perf_counter() - started)
-        return float(np.median(times))
+        return float(statistic(times))
 
     # ---- vision
 
@@ -117,13 +122,13 @@ class Box:
         # float32 pixels, as the encoder hands them to the tower
         return pixels.to(self.device), [tuple(g) for g in grids.tolist()]
 
-    def vision_s(self, width: int, height: int, batch: int, repeats: int) -> float:
+    def vision_s(self, width: int, height: int, batch: int, repeats: int, statistic=np.median) -> float:
         pixels, grids = self.vision_input(width, height, batch)
 
         def forward():
             with torch.inference_mode():
                 self.vision(pixels, grids)
-        return self.median_s(forward, repeats)
+        return self.time_s(forward, repeats, statistic)
 
     # ---- language model
 
@@ -138,24 +143,24 @@ class Box:
                                                                                     ignore_eos=True))
         return request_id
 
-    def decode_s(self, batch: int, repeats: int) -> float:
+    def decode_s(self, batch: int, repeats: int, statistic=np.median) -> float:
         """A decode step with `batch` sequences of context_len tokens."""
         ids = [self.add(self.settings.context_len, 10_000) for _ in range(batch)]
         sampled: set[str] = set()
         while len(sampled) < batch:  # prefill them all: each has its first token
             sampled.update(out.request_id for out in self.engine.step())
-        seconds = self.median_s(self.engine.step, repeats)
+        seconds = self.time_s(self.engine.step, repeats, statistic)
         for request_id in ids:
             self.engine.abort(request_id)
         return seconds
 
-    def prefill_s(self, tokens: int, repeats: int) -> float:
+    def prefill_s(self, tokens: int, repeats: int, statistic=np.median) -> float:
         """A step that prefills one new prompt of `tokens` tokens on an idle engine."""
         def step():
             request_id = self.add(tokens, 1)
             self.engine.step()
             self.engine.abort(request_id)
-        return self.median_s(step, repeats)
+        return self.time_s(step, repeats, statistic)
 
 
 def measure_box(settings: MeasureSettings, say: Callable[[str], None] = print) -> Profile:
@@ -165,17 +170,22 @@ def measure_box(settings: MeasureSettings, say: Callable[[str], None] = print) -
     vision = {(w, h, b): box.vision_s(w, h, b, s.repeats) for w, h in s.image_sizes for b in s.vision_batches}
     decode = {b: box.decode_s(b, s.repeats) for b in s.decode_batches}
     prefill = {t: box.prefill_s(t, s.repeats) for t in s.prefill_tokens}
-    vision_beside: dict = {}
-    decode_beside: dict = {}
-    prefill_beside: dict = {}
-    if s.beside:
-        say("epd-plan: timing vision beside a generator's steps")
-        with load_process(s, "generator"):
-            vision_beside = {key: box.vision_s(*key, s.repeats) for key in vision}
-        say("epd-plan: timing the generator's steps beside a vision loop")
-        with load_process(s, "vision"):
-            decode_beside = {b: box.decode_s(b, s.repeats) for b in decode}
-            prefill_beside = {t: box.prefill_s(t, s.repeats) for t in prefill}
+    # Beside a load that pauses, one timing lands in its work or in its
+    # pause: the mean over twice the repeats is the expected cost.
+    beside: dict = {}  # duty -> (vision, decode, prefill) timed beside a load of that duty
+    duties = () if not s.beside else (1.0, 0.5) if s.half_duty else (1.0,)
+    n = 2 * s.repeats
+    for duty in duties:
+        say(f"epd-plan: timing vision beside a generator's steps (busy {duty:.0%} of the time)")
+        with load_process(s, "generator", duty):
+            vision_beside = {key: box.vision_s(*key, n, np.mean) for key in vision}
+        say(f"epd-plan: timing the generator's steps beside a vision loop (busy {duty:.0%} of the time)")
+        with load_process(s, "vision", duty):
+            beside[duty] = (vision_beside, {b: box.decode_s(b, n, np.mean) for b in decode},
+                            {t: box.prefill_s(t, n, np.mean) for t in prefill})
+
+    def at(duty: float, part: int, key):
+        return beside[duty][part].get(key) if duty in beside else None
     return Profile(
         format=FORMAT, model_id=s.model_id, device_name=device_name(box.device),
         gpu_count=torch.cuda.device_count() if box.device.type == "cuda" else 0, dtype=s.dtype, mps=s.mps,
@@ -184,10 +194,10 @@ def measure_box(settings: MeasureSettings, say: Callable[[str], None] = print) -
                             s.local_encode_tokens),
         image=ImageGeometry(box.image_config.patch_size, box.image_config.merge_size,
                             box.image_config.min_pixels, box.image_config.max_pixels),
-        vision=[VisionPoint(w, h, num_visual_tokens(h, w, box.image_config), b, t, vision_beside.get((w, h, b)))
-                for (w, h, b), t in vision.items()],
-        decode=[DecodePoint(b, t, decode_beside.get(b)) for b, t in decode.items()],
-        prefill=[PrefillPoint(n, t, prefill_beside.get(n)) for n, t in prefill.items()],
+        vision=[VisionPoint(w, h, num_visual_tokens(h, w, box.image_config), b, t, at(1.0, 0, (w, h, b)),
+                            at(0.5, 0, (w, h, b))) for (w, h, b), t in vision.items()],
+        decode=[DecodePoint(b, t, at(1.0, 1, b), at(0.5, 1, b)) for b, t in decode.items()],
+        prefill=[PrefillPoint(n, t, at(1.0, 2, n), at(0.5, 2, n)) for n, t in prefill.items()],
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
@@ -200,8 +210,8 @@ class load_process:
     "vision") while the block runs; waits for its ready line first. Its
     output is drained all along by a thread (a full pipe would stall it)."""
 
-    def __init__(self, settings: MeasureSettings, role: str) -> None:
-        self.settings, self.role = settings, role
+    def __init__(self, settings: MeasureSettings, role: str, duty: float = 1.0) -> None:
+        self.settings, self.role, self.duty = settings, role, duty
         self.proc: subprocess.Popen | None = None
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.tail: list[str] = []
@@ -210,7 +220,8 @@ class load_process:
         s = self.settings
         argv = [sys.executable, "-m", "pipeline.planner.load", "--role", self.role, "--device", s.device,
                 "--dtype", s.dtype, "--width", str(s.image_sizes[0][0]), "--height", str(s.image_sizes[0][1]),
-                "--context-len", str(s.context_len), "--vision-graphs", str(s.vision_graphs)]
+                "--context-len", str(s.context_len), "--vision-graphs", str(s.vision_graphs),
+                "--duty", f"{self.duty:g}"]
         if s.model is not None:
             argv += ["--model", str(s.model)]
         if s.random_weights:

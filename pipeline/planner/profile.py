@@ -6,7 +6,8 @@ planner"). All times are seconds of wall time with the GPU drained, medians
 of repeats. "beside" is the same work while another process keeps the same
 GPU busy with the other kind of work (under MPS when `mps` is true): a
 generator running mixed prefill/decode steps beside vision forwards, a
-vision loop beside the generator's steps.
+vision loop beside the generator's steps; "beside_half" the same with that
+process busy half the time (it idles as long as it worked).
 
 Decoded with msgspec against these Structs, so a malformed file is refused
 with the field's path in the message, never half-read.
@@ -33,18 +34,21 @@ class VisionPoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     batch: Count  # images per forward
     alone_s: float  # one forward of the whole batch
     beside_s: float | None = None
+    beside_half_s: float | None = None  # the other side busy half the time
 
 
 class DecodePoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     batch: Count  # sequences decoding in one step
     alone_s: float  # one decode step
     beside_s: float | None = None
+    beside_half_s: float | None = None
 
 
 class PrefillPoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokens: Count  # prompt tokens in one prefill-only step
     alone_s: float
     beside_s: float | None = None
+    beside_half_s: float | None = None
 
 
 class EngineLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -91,7 +95,7 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if len(set(values)) != len(values):
                 raise msgspec.ValidationError(f"`{name}` measures one point twice")
         for point in [*self.vision, *self.decode, *self.prefill]:
-            times = [point.alone_s] + ([point.beside_s] if point.beside_s is not None else [])
+            times = [t for t in (point.alone_s, point.beside_s, point.beside_half_s) if t is not None]
             if not all(t > 0 for t in times):
                 raise msgspec.ValidationError(f"every time must be > 0 seconds (got {point})")
 
@@ -130,34 +134,44 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-def _time(point, beside: bool) -> float:
-    return point.beside_s if beside and point.beside_s is not None else point.alone_s
+def _time(point, share: float) -> float:
+    """The point's time while the other kind of work keeps the GPU busy
+    `share` of the time: alone at 0, beside at 1, and between them through
+    the half-duty figure where one was measured (interference is not linear
+    in the other side's duty: serving rarely runs it back to back)."""
+    if point.beside_s is None or share <= 0:
+        return point.alone_s
+    knots = [(0.0, point.alone_s), (1.0, point.beside_s)]
+    if point.beside_half_s is not None:
+        knots.insert(1, (0.5, point.beside_half_s))
+    return interpolate(knots, min(1.0, share))
 
 
-def decode_step_s(profile: Profile, batch: float, beside: bool = False) -> float:
-    """One decode step of `batch` sequences; never below the cheapest step
-    measured (a noisy curve that falls must not reach zero)."""
-    points = sorted((p.batch, _time(p, beside)) for p in profile.decode)
+def decode_step_s(profile: Profile, batch: float, share: float = 0.0) -> float:
+    """One decode step of `batch` sequences, the other side busy `share` of
+    the time; never below the cheapest step measured (a noisy curve that
+    falls must not reach zero)."""
+    points = sorted((p.batch, _time(p, share)) for p in profile.decode)
     if len(points) == 1:
         return points[0][1]
     return max(min(y for _, y in points), interpolate(points, max(1.0, batch)))
 
 
-def prefill_s_per_token(profile: Profile, beside: bool = False) -> float:
+def prefill_s_per_token(profile: Profile, share: float = 0.0) -> float:
     """Prompt tokens cost this each in a full chunk (the largest measured
     prefill step, the one chunked prefill runs at under load)."""
     point = max(profile.prefill, key=lambda p: p.tokens)
-    return _time(point, beside) / point.tokens
+    return _time(point, share) / point.tokens
 
 
-def vision_batch_s(profile: Profile, tokens: int, batch: float, beside: bool = False) -> float:
+def vision_batch_s(profile: Profile, tokens: int, batch: float, share: float = 0.0) -> float:
     """One vision forward of `batch` images of `tokens` visual tokens each.
 
     Measured at a few image sizes and batches. Forward time is taken as a
     function of the batch's visual tokens (images x tokens): that is what
     the tower's matmuls scale with; a fixed per-forward cost (the launches
     of an eager forward) shows as the curve's intercept."""
-    points = sorted({(p.tokens * p.batch, _time(p, beside)) for p in profile.vision})
+    points = sorted({(p.tokens * p.batch, _time(p, share)) for p in profile.vision})
     merged: dict[float, float] = {}
     for x, y in points:  # two sizes at one token count: keep their mean
         merged[x] = (merged[x] + y) / 2 if x in merged else y

@@ -48,7 +48,8 @@ def _measure_and_write(args: argparse.Namespace, cuda: bool, mps: bool, say) -> 
                                image_sizes=args.image_sizes, vision_batches=args.vision_batches,
                                decode_batches=args.decode_batches, prefill_tokens=args.prefill_tokens,
                                repeats=args.repeats, vision_graphs=args.vision_graphs, max_num_seqs=args.max_num_seqs,
-                               kv_cache_mib=8192 if cuda else 256, beside=not args.no_beside, mps=mps)
+                               kv_cache_mib=8192 if cuda else 256, beside=not args.no_beside,
+                               half_duty=not args.no_half_duty, mps=mps)
     profile = measure_box(settings, say)
     for path in write_profile(profile, args.profile_out):
         say(f"epd-plan: wrote {path}")
