@@ -21,7 +21,8 @@ EPD_PLAN = str(REPO / "bin" / "epd-plan")
 # larger batch faster (the planner floors such a curve: see test_planner's
 # test_a_falling_decode_curve_does_not_crash_the_planner).
 MEASURE = ["--repeats", "3", "--vision-batches", "1,2", "--decode-batches", "1,16", "--prefill-tokens", "32,64",
-           "--image-sizes", "224x224"]
+           "--image-sizes", "224x224",
+           "--beside-wall-s", "0.2"]
 
 
 def epd_plan(*argv: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:

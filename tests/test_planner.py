@@ -13,7 +13,7 @@ import math
 import msgspec
 import pytest
 
-from pipeline.planner.capacity import Layout, Workload, candidate_layouts, plan, predict
+from pipeline.planner.capacity import Layout, Workload, candidate_layouts, evaluate, plan, predict
 from pipeline.planner.profile import (
     FORMAT, DecodePoint, EngineLimits, ImageGeometry, PrefillPoint, Profile, ProfileError, VisionPoint,
     decode_step_s, interpolate, load_profile, prefill_s_per_token, save_profile, vision_batch_s)
@@ -88,9 +88,10 @@ def test_generators_sharing_a_gpu_split_it():
 
 
 def test_a_slow_encoder_bounds_the_rate():
-    """Dedicated 1E+1G on 2 GPUs, T(b) = b*t: the encoder gathers no batch
-    (b = lambda*T(b) < b while lambda*t < 1) and is busy lambda*t of the time,
-    lambda = R*I images/s; it keeps up while R < 1/(I*t)."""
+    """Dedicated 1E+1G on 2 GPUs, T(b) = b*t: the encoder's batch is one
+    request's images, which arrive together (a flat curve gathers no more:
+    lambda*T(b) < b while lambda*t < 1), and it is busy lambda*t of the
+    time, lambda = R*I images/s; it keeps up while R < 1/(I*t)."""
     images, t = 2, 0.4
     expected = 1 / (images * t)   # 1.25 req/s
     load = Workload(images=images, image_tokens=IMAGE_TOKENS, input_len=400, output_len=150,
@@ -100,7 +101,7 @@ def test_a_slow_encoder_bounds_the_rate():
     assert prediction.bound == "encoder"
     assert prediction.max_rate == pytest.approx(expected, rel=0.01)
     encoder = prediction.detail["encoders"][0]
-    assert encoder["batch"] == 1.0 and encoder["busy"] == pytest.approx(prediction.max_rate * images * t, rel=1e-3)
+    assert encoder["batch"] == images and encoder["busy"] == pytest.approx(prediction.max_rate * images * t, rel=1e-3)
 
 
 def test_a_colocated_encoder_pays_its_beside_times():
@@ -300,3 +301,20 @@ def test_a_half_duty_figure_bends_the_interference_curve():
         profile = msgspec.structs.replace(base, decode=[point])
         for share, seconds in expected.items():
             assert decode_step_s(profile, 1, share=share) == pytest.approx(seconds)
+
+
+def test_an_encoder_with_a_fixed_cost_per_forward_batches_just_enough():
+    """T(b) = a + c*b (a fixed cost per forward, as an eager forward's
+    launches): a greedy batch server keeps up at the smallest b with
+    lambda*T(b) <= b, i.e. b = lambda*a / (1 - lambda*c), where one image per
+    forward (lambda*(a + c) > 1) would not."""
+    a, c = 0.02, 0.005
+    base = make_profile()
+    profile = msgspec.structs.replace(base, vision=[
+        VisionPoint(448, 448, IMAGE_TOKENS, b, a + c * b, a + c * b) for b in (1, 8)])
+    load = Workload(images=1, image_tokens=IMAGE_TOKENS, input_len=10, output_len=2, slo_ttft_s=1e6, slo_tpot_s=10)
+    rate = 100.0   # images/s: one at a time would need 100 * 25 ms = 2.5 s a second
+    encoder = evaluate(profile, load, Layout(1, 1, "dedicated", 2), rate).detail["encoders"][0]
+    expected = rate * a / (1 - rate * c)   # 4 images
+    assert encoder["stable"] and expected <= encoder["batch"] <= expected * 1.02
+    assert encoder["busy"] == pytest.approx(rate * (a + c * encoder["batch"]) / encoder["batch"], rel=1e-9)

@@ -8,11 +8,14 @@ continuous batching:
 
 - Requests spread evenly: each generator gets r = R/G requests/s, each
   encoder R*I/E images/s.
-- An encoder is a batch server: while it runs a forward of b images the
-  next batch gathers, so in steady state b = lambda * T(b) (at least 1, at
-  most its token budget), and it is busy lambda * T(b) / b of the time. T
-  is the "beside" curve where its GPU also runs a generator (weighted by how
-  busy that generator is), "alone" otherwise. Busy >= 1: it cannot keep up.
+- An encoder is a greedy batch server: each forward takes what queued
+  during the last one, so in steady state it runs the smallest batch b
+  whose forward lasts no longer than b images take to arrive
+  (lambda * T(b) <= b; at least one request's images, which arrive
+  together; at most its token budget), busy lambda * T(b) / b of the
+  time. No such batch: it cannot keep up. T is read at the generator's
+  busy share where its GPU also runs one (profile.py: alone at 0, beside
+  at 1, the half-duty figure between), alone otherwise.
 - A generator steps continuously. Each step of s seconds carries the B = r*O*s
   sequences that are decoding (one token each, so TPOT ~ s), the prompt
   tokens that arrived meanwhile (r*P*s, at t_p each) and, in aggregated
@@ -149,11 +152,11 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
         return crowd * vision_batch_s(profile, workload.image_tokens, batch, share=beside)
 
     # A greedy batch server: each forward takes what queued during the last
-    # one. It keeps up at the smallest batch whose forward lasts no longer
-    # than that batch takes to arrive (lambda * T(b) <= b), and is then busy
-    # all the time unless that batch is one image; no such batch within
-    # its token budget: the queue grows.
-    batch = 1.0
+    # one. A request's images arrive together, so a batch holds at least
+    # one request's. It keeps up at the smallest batch whose forward lasts
+    # no longer than that batch takes to arrive (lambda * T(b) <= b); no
+    # such batch within its token budget: the queue grows.
+    batch = float(min(max_batch, max(1, workload.images)))
     while images_per_s * forward_s(batch) > batch and batch < max_batch:
         batch = min(float(max_batch), batch * 1.02)
     stable = images_per_s * forward_s(batch) <= batch

@@ -50,6 +50,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     measuring.add_argument("--no-beside", action="store_true", help="skip the timings beside a load process")
     measuring.add_argument("--no-half-duty", action="store_true",
                            help="time beside a load working back to back only, not also beside one busy half the time")
+    measuring.add_argument("--beside-wall-s", type=float, default=2.0, metavar="S",
+                           help="sample each beside figure for at least S seconds (across the load's cycles)")
     measuring.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
                            help="run the beside timings under a private MPS daemon (auto: on CUDA)")
     planning = p.add_argument_group("planning (--profile)")
@@ -70,6 +72,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             args.gpu_count = parse_counts(args.gpus or "1", "--gpus")[0]
         else:
             args.gpu_list = parse_counts(args.gpus, "--gpus", zero=True) if args.gpus else None
+        if not args.beside_wall_s >= 0:
+            raise ValueError("--beside-wall-s must be >= 0")
         if args.model is not None and args.random_weights is not None:
             raise ValueError("--model cannot be combined with --random-weights")
     except ValueError as exc:

@@ -67,6 +67,7 @@ class MeasureSettings:
     kv_cache_mib: int = 4096
     beside: bool = True
     half_duty: bool = True  # also beside a load process busy half the time
+    beside_wall_s: float = 2.0  # each beside figure samples at least this long
     mps: bool = False  # the caller runs this process and the child under MPS
     load_timeout_s: float = 300.0
 
@@ -101,11 +102,20 @@ class Box:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def time_s(self, work: Callable[[], object], repeats: int, statistic=np.median, warmup: int = 2) -> float:
+    def time_s(self, work: Callable[[], object], repeats: int, statistic=np.median, warmup: int = 2,
+               min_wall_s: float = 0.0) -> float:
+        """`statistic` of the timings of `work`: at least `repeats` of them,
+        and (min_wall_s) as many as fill that many seconds, each after a
+        random pause of up to a millisecond: beside a load that works and
+        idles in turn, samples must fall at every phase of its cycle."""
         for _ in range(warmup):
             work()
-        times = []
-        for _ in range(repeats):
+        times: list[float] = []
+        started_all = time.perf_counter()
+        rng = np.random.default_rng(0)
+        while len(times) < repeats or (time.perf_counter() - started_all < min_wall_s and len(times) < 5000):
+            if min_wall_s:
+                time.sleep(rng.uniform(0, 1e-3))
             self.sync()
             started = time.perf_counter()
             work()
@@ -122,13 +132,14 @@ class Box:
         # float32 pixels, as the encoder hands them to the tower
         return pixels.to(self.device), [tuple(g) for g in grids.tolist()]
 
-    def vision_s(self, width: int, height: int, batch: int, repeats: int, statistic=np.median) -> float:
+    def vision_s(self, width: int, height: int, batch: int, repeats: int, statistic=np.median,
+                 min_wall_s: float = 0.0) -> float:
         pixels, grids = self.vision_input(width, height, batch)
 
         def forward():
             with torch.inference_mode():
                 self.vision(pixels, grids)
-        return self.time_s(forward, repeats, statistic)
+        return self.time_s(forward, repeats, statistic, min_wall_s=min_wall_s)
 
     # ---- language model
 
@@ -143,24 +154,24 @@ class Box:
                                                                                     ignore_eos=True))
         return request_id
 
-    def decode_s(self, batch: int, repeats: int, statistic=np.median) -> float:
+    def decode_s(self, batch: int, repeats: int, statistic=np.median, min_wall_s: float = 0.0) -> float:
         """A decode step with `batch` sequences of context_len tokens."""
         ids = [self.add(self.settings.context_len, 10_000) for _ in range(batch)]
         sampled: set[str] = set()
         while len(sampled) < batch:  # prefill them all: each has its first token
             sampled.update(out.request_id for out in self.engine.step())
-        seconds = self.time_s(self.engine.step, repeats, statistic)
+        seconds = self.time_s(self.engine.step, repeats, statistic, min_wall_s=min_wall_s)
         for request_id in ids:
             self.engine.abort(request_id)
         return seconds
 
-    def prefill_s(self, tokens: int, repeats: int, statistic=np.median) -> float:
+    def prefill_s(self, tokens: int, repeats: int, statistic=np.median, min_wall_s: float = 0.0) -> float:
         """A step that prefills one new prompt of `tokens` tokens on an idle engine."""
         def step():
             request_id = self.add(tokens, 1)
             self.engine.step()
             self.engine.abort(request_id)
-        return self.time_s(step, repeats, statistic)
+        return self.time_s(step, repeats, statistic, min_wall_s=min_wall_s)
 
 
 def measure_box(settings: MeasureSettings, say: Callable[[str], None] = print) -> Profile:
@@ -171,18 +182,21 @@ def measure_box(settings: MeasureSettings, say: Callable[[str], None] = print) -
     decode = {b: box.decode_s(b, s.repeats) for b in s.decode_batches}
     prefill = {t: box.prefill_s(t, s.repeats) for t in s.prefill_tokens}
     # Beside a load that pauses, one timing lands in its work or in its
-    # pause: the mean over twice the repeats is the expected cost.
+    # pause: the mean over samples spread across its cycles (at least
+    # beside_wall_s of them) is the expected cost. A first profile timed 6
+    # back-to-back decode steps within one pause of a half-duty vision
+    # loop, and read no interference at all.
     beside: dict = {}  # duty -> (vision, decode, prefill) timed beside a load of that duty
     duties = () if not s.beside else (1.0, 0.5) if s.half_duty else (1.0,)
-    n = 2 * s.repeats
+    n, wall = 2 * s.repeats, s.beside_wall_s
     for duty in duties:
         say(f"epd-plan: timing vision beside a generator's steps (busy {duty:.0%} of the time)")
         with load_process(s, "generator", duty):
-            vision_beside = {key: box.vision_s(*key, n, np.mean) for key in vision}
+            vision_beside = {key: box.vision_s(*key, n, np.mean, wall) for key in vision}
         say(f"epd-plan: timing the generator's steps beside a vision loop (busy {duty:.0%} of the time)")
         with load_process(s, "vision", duty):
-            beside[duty] = (vision_beside, {b: box.decode_s(b, n, np.mean) for b in decode},
-                            {t: box.prefill_s(t, n, np.mean) for t in prefill})
+            beside[duty] = (vision_beside, {b: box.decode_s(b, n, np.mean, wall) for b in decode},
+                            {t: box.prefill_s(t, n, np.mean, wall) for t in prefill})
 
     def at(duty: float, part: int, key):
         return beside[duty][part].get(key) if duty in beside else None

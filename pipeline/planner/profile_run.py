@@ -49,7 +49,7 @@ def _measure_and_write(args: argparse.Namespace, cuda: bool, mps: bool, say) -> 
                                decode_batches=args.decode_batches, prefill_tokens=args.prefill_tokens,
                                repeats=args.repeats, vision_graphs=args.vision_graphs, max_num_seqs=args.max_num_seqs,
                                kv_cache_mib=8192 if cuda else 256, beside=not args.no_beside,
-                               half_duty=not args.no_half_duty, mps=mps)
+                               half_duty=not args.no_half_duty, beside_wall_s=args.beside_wall_s, mps=mps)
     profile = measure_box(settings, say)
     for path in write_profile(profile, args.profile_out):
         say(f"epd-plan: wrote {path}")
