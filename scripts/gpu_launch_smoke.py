@@ -74,8 +74,8 @@ def main() -> int:
     report["shm_after"] = epd_shm()
     report["kv_cache"] = [m.group(0) for log in sorted((args.out / "logs").glob("generator-*.log"))
                           for m in KV_LINE.finditer(log.read_text())]
-    report["shared_gpu_note"] = [line for line in (args.out / "logs" / "launcher.log").read_text().splitlines()
-                                 if "is shared by" in line]
+    report["placement"] = [line for line in (args.out / "logs" / "launcher.log").read_text().splitlines()
+                           if line.startswith("epd-launch: placement ") or "MPS control daemon" in line]
     bench = report.get("bench", {})
     report["ok"] = (bench.get("completed") == args.prompts and not bench.get("failed")
                     and len(report["kv_cache"]) == 3 and report["shm_after"] == shm_before
