@@ -1,12 +1,17 @@
 """Model families, chosen by a checkpoint's `config.json`.
 
 A family knows how to read its config, build its modules, and name its
-checkpoint tensors. New families (Qwen3-VL, ...) register here; nothing else
-in the code base needs to know which families exist.
+checkpoint tensors. A family is one package under pipeline/models/ that
+registers itself when imported; the registry imports every such package on
+first use, so adding a family adds a folder and edits no list here or
+anywhere else.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -72,6 +77,12 @@ def family_for(raw_config: dict[str, Any]) -> ModelFamily:
     )
 
 
+@functools.cache
 def _import_builtin_families() -> None:
-    # Imported lazily so that `registry` has no import cycle with the families.
-    import pipeline.models.qwen2_5_vl  # noqa: F401
+    """Import every package under pipeline/models/ (each family's folder);
+    lazily, so that `registry` has no import cycle with the families."""
+    import pipeline.models as models
+
+    for module in pkgutil.iter_modules(models.__path__, prefix=f"{models.__name__}."):
+        if module.ispkg:
+            importlib.import_module(module.name)
