@@ -106,7 +106,8 @@ def test_a_batch_run_in_pieces_equals_one_forward(tiny_dir):
 def test_vision_warmup_sizes_parse_and_need_graphs():
     import argparse
 
-    from pipeline.models.vision_flags import add_vision_graph_flags, check_vision_graph_flags, parse_image_sizes
+    from pipeline.arg_parser import image_sizes as parse_image_sizes
+    from pipeline.models.vision_flags import add_vision_graph_flags, check_vision_graph_flags
 
     assert parse_image_sizes("640x480, 1280x720") == [(640, 480), (1280, 720)]
     for bad in ("640", "640x0", "ax3", "640x480x2"):

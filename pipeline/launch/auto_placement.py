@@ -17,8 +17,9 @@ from pathlib import Path
 
 from pipeline.launch.plan import LaunchError, LaunchOptions, HostFacts, plan_gpus, uses_cuda
 from pipeline.planner.cache import cached_profile_path
-from pipeline.planner.capacity import Layout, Workload, candidate_layouts, plan, predict
-from pipeline.planner.profile import ProfileError, image_tokens, load_profile
+from pipeline.planner.capacity import Layout, candidate_layouts, plan, predict
+from pipeline.planner.cli import planned_workload
+from pipeline.planner.profile import ProfileError, load_profile
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,8 @@ def choose_placement(options: LaunchOptions, facts: HostFacts, model_id: str,
         if options.profile is not None:
             raise LaunchError(f"--profile {exc}") from None
         return PlacementChoice("colocated", f"auto: the cached profile is unusable ({exc}); colocated")
-    load = Workload(workload.images, image_tokens(profile, *workload.image_size), workload.input_len,
-                    workload.output_len, workload.slo_ttft_ms / 1000, workload.slo_tpot_ms / 1000)
+    load = planned_workload(profile, workload.images, workload.image_size, workload.input_len,
+                            workload.output_len, workload.slo_ttft_ms, workload.slo_tpot_ms)
     asked = predict(profile, load, Layout(options.encoders, options.generators, "colocated", len(gpus)))
     _, best = plan(profile, load, candidate_layouts(len(gpus)))
     same = best.layout.encoders == options.encoders and best.layout.generators == options.generators

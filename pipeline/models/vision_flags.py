@@ -6,35 +6,24 @@ sizes captured at start-up so serving never pauses on a first capture."""
 from __future__ import annotations
 
 import argparse
-import re
 
 import torch
+
+from pipeline.arg_parser import image_sizes
 
 from pipeline.models.vision_graphs import vision_forward
 from pipeline.processing.image import ImageProcessorConfig, image_grid_thw
 
-_SIZE = re.compile(r"^(\d+)x(\d+)$")
 
 
 def add_vision_graph_flags(parser: argparse.ArgumentParser, scope: str = "") -> None:
     parser.add_argument("--vision-graphs", type=int, default=0, metavar="N",
                         help=f"{scope}CUDA: replay vision forwards as CUDA graphs, keeping up to N (0: eager)")
-    parser.add_argument("--vision-warmup", type=parse_image_sizes, default=[], metavar="WxH[,WxH...]",
+    parser.add_argument("--vision-warmup", type=image_sizes, default=[], metavar="WxH[,WxH...]",
                         help="image sizes (pixels) whose vision graphs are captured at start-up")
     parser.add_argument("--eager-vision", action="store_true",
                         help=f"{scope}CUDA: run the vision tower on plain PyTorch ops, not the fused Triton "
                              "kernels (the default wherever they run)")
-
-
-def parse_image_sizes(text: str) -> list[tuple[int, int]]:
-    """"640x480,1280x720" -> [(640, 480), (1280, 720)] as (width, height)."""
-    sizes = []
-    for item in text.split(","):
-        match = _SIZE.match(item.strip())
-        if not match or not all(int(v) > 0 for v in match.groups()):
-            raise argparse.ArgumentTypeError(f"image size {item!r}: want WIDTHxHEIGHT, e.g. 640x480")
-        sizes.append((int(match[1]), int(match[2])))
-    return sizes
 
 
 def check_vision_graph_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

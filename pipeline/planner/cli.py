@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.arg_parser import OneLineParser
+from pipeline.arg_parser import OneLineParser, image_size, image_sizes
 from pipeline.planner.cache import cached_profile_path
 from pipeline.planner.capacity import Workload, candidate_layouts, plan
 from pipeline.planner.profile import ProfileError, image_tokens, load_profile, save_profile
@@ -39,7 +39,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     measuring.add_argument("--model-id", help="the name the stages salt hashes with (default: the folder name)")
     measuring.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     measuring.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    measuring.add_argument("--image-sizes", default="640x640", metavar="WxH[,WxH...]")
+    measuring.add_argument("--image-sizes", type=image_sizes, default=[(640, 640)], metavar="WxH[,WxH...]")
     measuring.add_argument("--vision-batches", default="1,4,16", metavar="LIST")
     measuring.add_argument("--decode-batches", default="1,8,32,64", metavar="LIST")
     measuring.add_argument("--prefill-tokens", default="512,2048", metavar="LIST")
@@ -56,7 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                            help="run the beside timings under a private MPS daemon (auto: on CUDA)")
     planning = p.add_argument_group("planning (--profile)")
     planning.add_argument("--images", type=int, default=1, help="images per request")
-    planning.add_argument("--image-size", default="640x640", metavar="WxH")
+    planning.add_argument("--image-size", type=image_size, default=(640, 640), metavar="WxH")
     planning.add_argument("--input-len", type=int, default=400, help="text tokens per request")
     planning.add_argument("--output-len", type=int, default=150)
     planning.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -64,8 +64,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     planning.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     try:
-        args.image_size = parse_size(args.image_size)
-        args.image_sizes = tuple(parse_size(s) for s in args.image_sizes.split(","))
         for name in ("vision_batches", "decode_batches", "prefill_tokens"):
             setattr(args, name, parse_counts(getattr(args, name), f"--{name.replace('_', '-')}"))
         if args.profile is not None:
@@ -81,17 +79,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def parse_size(text: str) -> tuple[int, int]:
-    width, sep, height = text.lower().partition("x")
-    try:
-        size = (int(width), int(height))
-    except ValueError:
-        size = (0, 0)
-    if not sep or min(size) < 1:
-        raise ValueError(f"image size {text!r}: want WIDTHxHEIGHT, e.g. 640x640")
-    return size
-
-
 def parse_counts(text: str, flag: str, zero: bool = False) -> tuple[int, ...]:
     try:
         values = tuple(int(part) for part in text.split(","))
@@ -102,14 +89,17 @@ def parse_counts(text: str, flag: str, zero: bool = False) -> tuple[int, ...]:
     return values
 
 
-def workload(args: argparse.Namespace, profile) -> Workload:
-    return Workload(args.images, image_tokens(profile, *args.image_size), args.input_len, args.output_len,
-                    args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+def planned_workload(profile, images: int, image_size: tuple[int, int], input_len: int, output_len: int,
+                     slo_ttft_ms: float, slo_tpot_ms: float) -> Workload:
+    """The planner's Workload from the flags' terms (epd-plan's and epd-launch's)."""
+    return Workload(images, image_tokens(profile, *image_size), input_len, output_len, slo_ttft_ms / 1000,
+                    slo_tpot_ms / 1000)
 
 
 def plan_main(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
-    load = workload(args, profile)
+    load = planned_workload(profile, args.images, args.image_size, args.input_len, args.output_len,
+                            args.slo_ttft_ms, args.slo_tpot_ms)
     predictions, chosen = plan(profile, load, candidate_layouts(args.gpu_count))
     if args.json:
         print(json.dumps({"workload": {**vars(load), "prompt_tokens": load.prompt_tokens},

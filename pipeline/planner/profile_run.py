@@ -1,6 +1,7 @@
-"""`bin/epd-plan --profile-out FILE`: choose the device, put this process and
-its load child under a private MPS daemon where the beside timings run on
-a GPU, measure (measure.py), and write the profile."""
+"""`bin/epd-plan --profile-out FILE`: choose the device; where the beside
+timings run on a GPU, start a private MPS daemon and measure in a child
+process that is its client (with its load children); measure (measure.py)
+and write the profile."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def _measure_and_write(args: argparse.Namespace, cuda: bool, mps: bool, say) -> 
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     model_id = args.model_id or _model_folder(args).name
     settings = MeasureSettings(args.model, args.random_weights, model_id, device, dtype,
-                               image_sizes=args.image_sizes, vision_batches=args.vision_batches,
+                               image_sizes=tuple(args.image_sizes), vision_batches=args.vision_batches,
                                decode_batches=args.decode_batches, prefill_tokens=args.prefill_tokens,
                                repeats=args.repeats, vision_graphs=args.vision_graphs, max_num_seqs=args.max_num_seqs,
                                kv_cache_mib=8192 if cuda else 256, beside=not args.no_beside,
