@@ -4,6 +4,10 @@
 #   run(command="PHASE=2 bash scripts/gpu_issue14.sh", carry=[".whl", "results"]) # EPD colocated: same, + 4x2000
 #   run(command="PHASE=3 bash scripts/gpu_issue14.sh", carry=[".whl", "results"]) # profile again, aggregated rest
 #   run(command="PHASE=4 bash scripts/gpu_issue14.sh", carry=[".whl", "results"]) # EPD rest
+# Session 9 (40 s steps, the first 10 s warm-up; per-request records saved):
+#   run(command="PHASE=5 bash scripts/gpu_issue14.sh", carry=[".whl"])  # profile; aggregated 4x400, mixed search + interference
+#   run(command="MIXED_RATE=R PHASE=6 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD 4x400 + interference; SM share 50
+#   run(command="PHASE=7 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD without MPS
 # Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
 # results of PHASE 1 from results/ (copy the files PHASE 1 brought back
@@ -23,6 +27,8 @@ tiny=(); [ "${TINY:-0}" = 1 ] && { tiny=(--tiny --image-size 224 --output-len 16
 # of everything so far lands in $OUT every 20 s.
 (while sleep 20; do tar czf "$OUT/partial.tgz" -C /tmp issue14 2>/dev/null; done) &
 profile=(--profile "$R/profile.json")
+long="--step-s 40 --warmup-s 10"
+[ "${TINY:-0}" = 1 ] && long="--step-s 10 --warmup-s 3"
 
 profile_box() {
   echo "== epd-plan --profile-out"
@@ -32,7 +38,7 @@ profile_box() {
   else
     timeout 200 python3 bin/epd-plan --profile-out "$R/profile.json" --random-weights qwen2.5-vl-3b --gpus 0 \
       --vision-graphs 16 --max-num-seqs 128 --vision-batches 1,4,16 --decode-batches 1,16,64,128 \
-      --prefill-tokens 512,2048 --repeats 5
+      --prefill-tokens 512,2048 --repeats "${REPEATS:-5}"
   fi
   for w in 4:400 1:400 4:2000 1:2000; do
     python3 bin/epd-plan --profile "$R/profile.json" --gpus 1 --images "${w%%:*}" --input-len "${w##*:}" \
@@ -59,11 +65,24 @@ elif [ "$PHASE" = 3 ]; then
 elif [ "$PHASE" = 4 ]; then
   timeout 400 python3 scripts/gpu_sustained.py --layout epd --out "$R/p4" "${profile[@]}" "${tiny[@]}" \
     --workload 1:2000:2 --workload "4:400:2:${EPD_4X400:-15.3:21}" --workload "1:400:2:${EPD_1X400:-40.9:56}"
+elif [ "$PHASE" = 5 ]; then
+  REPEATS=3 profile_box
+  timeout 420 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/p5" "${tiny[@]}" $long \
+    --workload 4:400:3:10.5:15 --mixed-search 3:15:27
+elif [ "$PHASE" = 6 ]; then
+  timeout 300 python3 scripts/gpu_sustained.py --layout epd --out "$R/p6" "${tiny[@]}" $long \
+    --workload 4:400:3:13.5:19 --interference-rate "${MIXED_RATE:?the aggregated mixed maximum}"
+  timeout 200 python3 scripts/gpu_sustained.py --layout epd --out "$R/p6-sm50" "${tiny[@]}" $long \
+    --workload 4:400:2:14.5:18.5 --launch-arg=--encoder-sm-percent=50
+elif [ "$PHASE" = 7 ]; then
+  timeout 200 python3 scripts/gpu_sustained.py --layout epd --out "$R/p7-nomps" "${tiny[@]}" $long \
+    --workload 4:400:2:13:18 --launch-arg=--mps=off
 fi
 rc=$?
 # Few, shallow files come back: the profile, the summaries and a tarball of everything.
 kill %1 2>/dev/null
 cp "$R"/profile.json "$R"/*summary.json "$R"/p[34]/*summary.json "$OUT/" 2>/dev/null
+for d in "$R"/p[5-7]*; do [ -d "$d" ] && cp "$d/$(ls "$d" | grep summary.json | head -1)" "$OUT/$(basename "$d")-summary.json"; done 2>/dev/null
 tar czf "$OUT/issue14-phase$PHASE.tgz" -C /tmp issue14 && rm -f "$OUT/partial.tgz"
 ls "$OUT"
 exit $rc

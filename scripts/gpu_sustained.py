@@ -3,21 +3,25 @@
 (issue 14; one device call each):
 
     python scripts/gpu_sustained.py --layout epd --out OUT --workload 4:400 --workload 1:400:2 \
-        [--profile PROFILE.json] [--interference-rate R | --interference-from AGG.json]
+        [--profile PROFILE.json] [--mixed-search 3:14:24] [--interference-rate R | --interference-from F.json]
 
 --layout epd: bin/epd-launch --encoders 1 --generators 1 --placement colocated
 (so the launcher starts its own MPS daemon on the shared GPU); aggregated:
 --mode aggregated --generators 1. Both with --random-weights qwen2.5-vl-3b
 --dtype bfloat16 --device cuda --gpus 0 and the same stage flags. Per
 workload I:T[:STEPS[:LOW:HIGH]] (images of 640x640, T text tokens, 150 output
-tokens): a warm-up burst, then epd-bench's sustained goodput search (30 s
-of arrivals per step; a step passes with no failure, P99 TTFT <= 2 s, P99
-TPOT <= 50 ms and achieved >= 0.95x offered), its bracket centred on
-epd-plan's prediction for this layout when --profile is given. Then, with
---interference-rate (or the 4-image, 400-token maximum read from an
-aggregated result file), one fixed-rate run of that workload with half the
-requests text-only. --tiny runs all of it on the CPU with the tiny model.
-Writes OUT/<layout>-<I>img-<T>tok.json per search, OUT/<layout>-mixed.json,
+tokens): a warm-up burst, then epd-bench's sustained goodput search
+(--step-s of arrivals per step, the first --warmup-s of them warm-up; a step
+passes with no failure, P99 TTFT <= 2 s, P99 TPOT <= 50 ms and achieved >=
+0.95x offered), its bracket centred on epd-plan's prediction for this layout
+when --profile is given. --mixed-search STEPS:LOW:HIGH searches the mixed
+load too: 4 images, 400 tokens, half of the requests text-only. Then one
+fixed-rate run of that mixed load (the interference run) at
+--interference-rate, or at the maximum read from a result file
+(--interference-from), or at this run's own mixed maximum. Every run saves
+its per-request records (epd-bench --save-detailed). --tiny runs all of it
+on the CPU with the tiny model. Writes OUT/<layout>-<I>img-<T>tok.json per
+search, OUT/<layout>-mixed-search.json, OUT/<layout>-mixed.json,
 OUT/<layout>-summary.json and logs/.
 """
 
@@ -51,8 +55,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="images, text tokens, search steps, and the bracket (default: around the prediction)")
     p.add_argument("--profile", type=Path, help="epd-plan profile: brackets centred on its predictions")
     p.add_argument("--interference-rate", type=float)
-    p.add_argument("--interference-from", type=Path, help="an aggregated 4img-400tok result file")
+    p.add_argument("--interference-from", type=Path, help="a search result file whose maximum sets the rate")
+    p.add_argument("--mixed-search", metavar="STEPS:LOW:HIGH", help="search the half text-only load too")
     p.add_argument("--step-s", type=float, default=30.0, help="seconds of arrivals per search step")
+    p.add_argument("--warmup-s", type=float, default=4.0, help="warm-up seconds at the start of every run")
     p.add_argument("--output-len", type=int, default=150)
     p.add_argument("--image-size", type=int, default=640)
     p.add_argument("--launch-arg", action="append", default=[], help="extra bin/epd-launch flag")
@@ -69,11 +75,12 @@ def launch_args(args: argparse.Namespace) -> list[str]:
             *[f"--stage-arg={a}" for a in STAGE_ARGS], *args.launch_arg]
 
 
-def workload_flags(args: argparse.Namespace, images: int, text: int) -> list[str]:
+def workload_flags(args: argparse.Namespace, images: int, text: int, text_only: float = 0.0) -> list[str]:
     size = args.image_size
     return ["--random-input-len", str(text), "--random-output-len", str(args.output_len),
-            "--random-mm-base-items-per-request", str(images),
-            "--random-mm-bucket-config", f"{{({size}, {size}, 1): 1.0}}", "--no-progress"]
+            "--random-mm-base-items-per-request", str(images), "--text-only-fraction", f"{text_only:g}",
+            "--random-mm-bucket-config", f"{{({size}, {size}, 1): 1.0}}", "--no-progress",
+            "--warmup-s", f"{args.warmup_s:g}", "--save-detailed"]
 
 
 def predicted_rate(args: argparse.Namespace, images: int, text: int) -> float:
@@ -95,15 +102,15 @@ def predicted_rate(args: argparse.Namespace, images: int, text: int) -> float:
 
 
 def search(args: argparse.Namespace, stack: LaunchedStack, images: int, text: int, steps: int,
-           bracket: tuple[float, float] | None = None) -> dict:
-    name = f"{args.layout}-{images}img-{text}tok"
-    rate = predicted_rate(args, images, text)
+           bracket: tuple[float, float] | None = None, text_only: float = 0.0) -> dict:
+    name = f"{args.layout}-mixed-search" if text_only else f"{args.layout}-{images}img-{text}tok"
+    rate = predicted_rate(args, images, text) if bracket is None else sum(bracket) / 2
     low, high = bracket or (0.7 * rate, 1.4 * rate)
     log = args.out / "logs" / f"{name}.log"
-    warmup = ["--base-url", stack.base_url, *workload_flags(args, images, text), "--num-prompts", "16",
+    warmup = ["--base-url", stack.base_url, *workload_flags(args, images, text, text_only), "--num-prompts", "16",
               "--request-rate", "inf", "--seed", "999"]
     run_bench(warmup, 90, log)
-    bench = ["--base-url", stack.base_url, *workload_flags(args, images, text),
+    bench = ["--base-url", stack.base_url, *workload_flags(args, images, text, text_only),
              "--request-rate", f"search:{low:.3f}:{high:.3f}", "--search-criterion", "p99",
              "--search-steps", str(steps), "--search-step-s", f"{args.step_s:g}", "--goodput", *SLOS,
              "--json", str(args.out / f"{name}.json"), "--plot", str(args.out / f"{name}.png")]
@@ -117,13 +124,14 @@ def search(args: argparse.Namespace, stack: LaunchedStack, images: int, text: in
 
 def interference(args: argparse.Namespace, stack: LaunchedStack, rate: float) -> dict:
     name = f"{args.layout}-mixed"
-    bench = ["--base-url", stack.base_url, *workload_flags(args, 4, 400), "--text-only-fraction", "0.5",
+    bench = ["--base-url", stack.base_url, *workload_flags(args, 4, 400, 0.5),
              "--request-rate", f"{rate:g}", "--num-prompts", str(max(20, round(rate * args.step_s))),
-             "--warmup-s", "4", "--goodput", *SLOS, "--json", str(args.out / f"{name}.json")]
+             "--goodput", *SLOS, "--json", str(args.out / f"{name}.json")]
     code = run_bench(bench, args.step_s + 120, args.out / "logs" / f"{name}.log")
     found = read_json(args.out / f"{name}.json") or {}
     return {"rate": rate, "exit": code, "bench": shlex.join(["bin/epd-bench", *bench]),
             "by_class": found.get("by_class"), "p99_tpot_ms": found.get("p99_tpot_ms"),
+            "offered_rate": found.get("offered_rate"),
             "achieved_rate": found.get("achieved_rate"), "failed": found.get("failed")}
 
 
@@ -152,10 +160,15 @@ def main(argv: list[str]) -> int:
             summary["searches"].append(search(args, stack, images, text, int(rest[0]) if rest else 3, bracket))
             path.write_text(json.dumps(summary, indent=2) + "\n")
             print(json.dumps(summary["searches"][-1]), flush=True)
-            if (images, text) == (4, 400) and (rate := interference_rate(args) or (
-                    summary["searches"][-1]["max_request_rate"] if args.layout == "aggregated" else None)):
-                summary["interference"] = interference(args, stack, rate)
-                print(json.dumps(summary["interference"]), flush=True)
+        mixed_max = None
+        if args.mixed_search:
+            steps, low, high = (float(v) for v in args.mixed_search.split(":"))
+            summary["mixed_search"] = search(args, stack, 4, 400, int(steps), (low, high), text_only=0.5)
+            mixed_max = summary["mixed_search"]["max_request_rate"]
+            print(json.dumps(summary["mixed_search"]), flush=True)
+        if rate := interference_rate(args) or mixed_max:
+            summary["interference"] = interference(args, stack, rate)
+            print(json.dumps(summary["interference"]), flush=True)
     except StackError as exc:
         summary["error"] = str(exc)
     finally:

@@ -19,7 +19,8 @@ from PIL import Image
 
 from bench_fakes import NUM_CHUNKS, endpoint_thread, small_dataset, sweep_against_fake
 from pipeline.bench.dataset import POOL_SIZE_PER_BUCKET, arrival_offsets, parse_bucket_config, sample_requests
-from pipeline.bench.metrics import RequestRecord, parse_goodput, summarize
+from pipeline.bench.metrics import RequestRecord, parse_goodput, records_from_detailed, summarize
+from pipeline.bench.window import WindowSpec, sustained_summary
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bin" / "epd-bench"
@@ -227,6 +228,24 @@ def test_cli_end_to_end_writes_json(tmp_path, fake_endpoint):
         assert keys <= set(r) and r["completed"] == 3 and r["failed"] == 0 and r["cancelled"] == 0
         assert r["slo_attainment"] == 1.0 and r["window_s"]["start"] == 0.0 and r["offered_rate"] > 0
     assert "3/3 done" in proc.stderr
+
+
+def test_save_detailed_lets_a_run_be_measured_again(tmp_path, fake_endpoint):
+    # The saved columns rebuild the records, so the window measured from
+    # them afterwards equals the one the run reported.
+    base_url, _ = fake_endpoint
+    out = tmp_path / "r.json"
+    proc = run_cli("--base-url", base_url, "--num-prompts", "6", "--request-rate", "40", *SMALL_WORKLOAD,
+                   "--warmup-s", "0.02", "--save-detailed", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    columns = result["requests"]
+    assert len(columns["sent_at"]) == 6 and all(columns["success"]) and set(columns["errors"]) == {""}
+    records = records_from_detailed(columns)
+    assert [r.completion_tokens for r in records] == columns["output_lens"]
+    again = sustained_summary(records, WindowSpec(0.02))
+    assert again["offered_rate"] == pytest.approx(result["offered_rate"])
+    assert again["achieved_rate"] == pytest.approx(result["achieved_rate"])
 
 
 @pytest.mark.parametrize("ttft_slo, passes", [("1000", True), ("5", False)])

@@ -100,6 +100,8 @@ def build_parser() -> OneLineParser:
                    f"typical latency (default {DEFAULT_DRAIN_TIMEOUT_S:g}); a step that fell behind is "
                    "cancelled sooner. Fixed-rate runs wait for every request")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="add each request's lengths, times and errors to every run in --json (`requests`)")
     p.add_argument("--plot", type=Path, metavar="PNG", help="draw P99 TTFT and TPOT against request rate")
     p.add_argument("--plot-label", help="legend label of this run (default: the model id)")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -167,7 +169,7 @@ async def run_search(args: argparse.Namespace, dataset: RandomMMConfig, slos: di
 
     async with bench_runner(args.base_url, args.model, dataset, args.burstiness, args.max_concurrency,
                             args.seed, slos, not args.no_progress, window=settings.window(),
-                            stop=settings.stop()) as runner:
+                            stop=settings.stop(), save_detailed=args.save_detailed) as runner:
         async def measure(rate: float, index: int) -> dict:
             return await runner.measure(rate, index, step_prompts(rate, settings.step_s, args.num_prompts))
 
@@ -197,7 +199,7 @@ def main(argv: list[str]) -> int:
         else:
             results = asyncio.run(run_sweep(args.base_url, args.model, dataset, rates, args.burstiness,
                                             args.max_concurrency, args.seed, slos, not args.no_progress,
-                                            window=window))
+                                            window=window, save_detailed=args.save_detailed))
             saved = results[0] if len(results) == 1 else results
             for result in results:
                 print(json.dumps(result))

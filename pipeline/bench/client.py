@@ -25,7 +25,7 @@ import aiohttp
 import numpy as np
 
 from pipeline.bench.dataset import BenchRequest, RandomMMConfig, arrival_offsets, sample_requests
-from pipeline.bench.metrics import RequestRecord, by_class, summarize
+from pipeline.bench.metrics import RequestRecord, by_class, detailed, summarize
 from pipeline.bench.stop import CANCELLED, StopRule, next_check_at, stop_reason
 from pipeline.bench.window import WindowSpec, window_summary
 
@@ -249,11 +249,12 @@ class BenchRunner:
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, dataset: RandomMMConfig,
                  burstiness: float, max_concurrency: int | None, seed: int, slos: dict[str, float],
-                 show_progress: bool = True, *, window: WindowSpec = WindowSpec(), stop: StopRule | None = None):
+                 show_progress: bool = True, *, window: WindowSpec = WindowSpec(), stop: StopRule | None = None,
+                 save_detailed: bool = False):
         self.session, self.base_url, self.model, self.dataset = session, base_url, model, dataset
         self.burstiness, self.max_concurrency, self.seed = burstiness, max_concurrency, seed
         self.slos, self.show_progress = slos, show_progress
-        self.window, self.stop = window, stop
+        self.window, self.stop, self.save_detailed = window, stop, save_detailed
 
     async def measure(self, rate: float, index: int, num_prompts: int | None = None) -> dict:
         """One run at `rate`. Run `index` uses seed + index, so later runs see
@@ -275,6 +276,8 @@ class BenchRunner:
         result.update(model_id=self.model, num_prompts=len(requests),
                       request_rate=rate if rate != float("inf") else "inf",
                       burstiness=self.burstiness, max_concurrency=self.max_concurrency)
+        if self.save_detailed:
+            result["requests"] = detailed(records)
         return result
 
 
@@ -282,19 +285,19 @@ class BenchRunner:
 async def bench_runner(base_url: str, model: str | None, dataset: RandomMMConfig, burstiness: float,
                        max_concurrency: int | None, seed: int, slos: dict[str, float],
                        show_progress: bool = True, *, window: WindowSpec = WindowSpec(),
-                       stop: StopRule | None = None) -> AsyncIterator[BenchRunner]:
+                       stop: StopRule | None = None, save_detailed: bool = False) -> AsyncIterator[BenchRunner]:
     async with new_session() as session:
         if model is None:
             model = await fetch_default_model(session, base_url)
         yield BenchRunner(session, base_url, model, dataset, burstiness, max_concurrency, seed, slos,
-                          show_progress, window=window, stop=stop)
+                          show_progress, window=window, stop=stop, save_detailed=save_detailed)
 
 
 async def run_sweep(base_url: str, model: str | None, dataset: RandomMMConfig, rates: list[float],
                     burstiness: float, max_concurrency: int | None, seed: int,
                     slos: dict[str, float], show_progress: bool = True, *,
-                    window: WindowSpec = WindowSpec()) -> list[dict]:
+                    window: WindowSpec = WindowSpec(), save_detailed: bool = False) -> list[dict]:
     """One result dict per rate, run one after another, each waiting for all its requests."""
     async with bench_runner(base_url, model, dataset, burstiness, max_concurrency, seed, slos,
-                            show_progress, window=window) as runner:
+                            show_progress, window=window, save_detailed=save_detailed) as runner:
         return [await runner.measure(rate, index) for index, rate in enumerate(rates)]

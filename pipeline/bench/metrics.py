@@ -128,3 +128,20 @@ def by_class(records: list[RequestRecord]) -> dict[str, dict]:
         out[name] = stats
     return out
 
+
+
+# --save-detailed: per-request columns, so a run's window can be measured
+# again afterwards with other settings (records_from_detailed inverts it).
+# vLLM's names where it has them (input_lens, output_lens, ttfts, errors).
+DETAILED_COLUMNS = (("input_lens", "prompt_tokens"), ("output_lens", "completion_tokens"), ("ttfts", "ttft"),
+                    ("e2els", "e2el"), ("num_images", "num_images"), ("sent_at", "sent_at"),
+                    ("done_at", "done_at"), ("success", "success"), ("errors", "error"))
+
+
+def detailed(records: list[RequestRecord]) -> dict[str, list]:
+    return {column: [getattr(r, attr) for r in records] for column, attr in DETAILED_COLUMNS}
+
+
+def records_from_detailed(columns: dict[str, list]) -> list[RequestRecord]:
+    rows = zip(*(columns[column] for column, _ in DETAILED_COLUMNS))
+    return [RequestRecord(**{attr: value for (_, attr), value in zip(DETAILED_COLUMNS, row)}) for row in rows]
