@@ -108,6 +108,22 @@ class GatedMLP(nn.Module):
         return ops.linear(ops.silu_mul(ops.linear(x, *self.gate_up)), *self.down)
 
 
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for projections that read the same input: the
+    weights move into one tensor and each linear's become views of it (no
+    extra memory). Returns the merged (weight, bias)."""
+    weight = torch.cat([l.weight.data for l in linears])
+    bias = torch.cat([l.bias.data for l in linears]) if linears[0].bias is not None else None
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight.data = weight[start:start + rows]
+        if bias is not None:
+            linear.bias.data = bias[start:start + rows]
+        start += rows
+    return weight, bias
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.models.config_fields import check_divides, eos_token_ids, int_field
+
 
 @dataclass(frozen=True)
 class VisionConfig:
@@ -79,37 +81,35 @@ def parse_config(raw: dict[str, Any]) -> Qwen25VLConfig:
         raise ValueError(
             f"vision_config.out_hidden_size ({vision.out_hidden_size}) must equal the language "
             f"model hidden_size ({text.hidden_size}) for Qwen2.5-VL")
-    eos = text_raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     return Qwen25VLConfig(
         vision=vision,
         text=text,
-        image_token_id=_int(raw, "image_token_id", 151655),
-        video_token_id=_int(raw, "video_token_id", 151656),
-        vision_start_token_id=_int(raw, "vision_start_token_id", 151652),
-        vision_end_token_id=_int(raw, "vision_end_token_id", 151653),
-        eos_token_ids=eos_ids,
+        image_token_id=int_field(raw, "image_token_id", 151655),
+        video_token_id=int_field(raw, "video_token_id", 151656),
+        vision_start_token_id=int_field(raw, "vision_start_token_id", 151652),
+        vision_end_token_id=int_field(raw, "vision_end_token_id", 151653),
+        eos_token_ids=eos_token_ids(text_raw),
     )
 
 
 def _parse_vision(v: dict[str, Any]) -> VisionConfig:
     rope = v.get("rope_parameters") or {}
     cfg = VisionConfig(
-        depth=_int(v, "depth", 32),
-        hidden_size=_int(v, "hidden_size", 3584),
-        intermediate_size=_int(v, "intermediate_size", 3420),
-        num_heads=_int(v, "num_heads", 16),
-        out_hidden_size=_int(v, "out_hidden_size", 3584),
-        patch_size=_int(v, "patch_size", v.get("spatial_patch_size", 14)),
-        temporal_patch_size=_int(v, "temporal_patch_size", 2),
-        spatial_merge_size=_int(v, "spatial_merge_size", 2),
-        window_size=_int(v, "window_size", 112),
+        depth=int_field(v, "depth", 32),
+        hidden_size=int_field(v, "hidden_size", 3584),
+        intermediate_size=int_field(v, "intermediate_size", 3420),
+        num_heads=int_field(v, "num_heads", 16),
+        out_hidden_size=int_field(v, "out_hidden_size", 3584),
+        patch_size=int_field(v, "patch_size", v.get("spatial_patch_size", 14)),
+        temporal_patch_size=int_field(v, "temporal_patch_size", 2),
+        spatial_merge_size=int_field(v, "spatial_merge_size", 2),
+        window_size=int_field(v, "window_size", 112),
         fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31))),
-        in_channels=_int(v, "in_channels", v.get("in_chans", 3)),
+        in_channels=int_field(v, "in_channels", v.get("in_chans", 3)),
         hidden_act=str(v.get("hidden_act", "silu")),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
     )
-    _check_divides("vision_config.hidden_size", cfg.hidden_size, "num_heads", cfg.num_heads)
+    check_divides("vision_config.hidden_size", cfg.hidden_size, "num_heads", cfg.num_heads)
     if cfg.head_dim % 4:
         raise ValueError(f"vision_config head_dim ({cfg.head_dim}) must be a multiple of 4 for 2-D rotary")
     unit = cfg.spatial_merge_size * cfg.patch_size
@@ -126,25 +126,25 @@ def _parse_vision(v: dict[str, Any]) -> VisionConfig:
 
 def _parse_text(t: dict[str, Any], top: dict[str, Any]) -> TextConfig:
     rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
-    heads = _int(t, "num_attention_heads", 64)
+    heads = int_field(t, "num_attention_heads", 64)
     section = tuple(int(x) for x in rope.get("mrope_section", (16, 24, 24)))
     tie = bool(top.get("tie_word_embeddings", t.get("tie_word_embeddings", False)))
     cfg = TextConfig(
-        vocab_size=_int(t, "vocab_size", 152064),
-        hidden_size=_int(t, "hidden_size", 8192),
-        intermediate_size=_int(t, "intermediate_size", 29568),
-        num_hidden_layers=_int(t, "num_hidden_layers", 80),
+        vocab_size=int_field(t, "vocab_size", 152064),
+        hidden_size=int_field(t, "hidden_size", 8192),
+        intermediate_size=int_field(t, "intermediate_size", 29568),
+        num_hidden_layers=int_field(t, "num_hidden_layers", 80),
         num_attention_heads=heads,
-        num_key_value_heads=_int(t, "num_key_value_heads", heads),
+        num_key_value_heads=int_field(t, "num_key_value_heads", heads),
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 1000000.0))),
         mrope_section=section,  # type: ignore[arg-type]
-        max_position_embeddings=_int(t, "max_position_embeddings", 32768),
+        max_position_embeddings=int_field(t, "max_position_embeddings", 32768),
         hidden_act=str(t.get("hidden_act", "silu")),
         tie_word_embeddings=tie,
     )
-    _check_divides("hidden_size", cfg.hidden_size, "num_attention_heads", heads)
-    _check_divides("num_attention_heads", heads, "num_key_value_heads", cfg.num_key_value_heads)
+    check_divides("hidden_size", cfg.hidden_size, "num_attention_heads", heads)
+    check_divides("num_attention_heads", heads, "num_key_value_heads", cfg.num_key_value_heads)
     if len(section) != 3 or sum(section) * 2 != cfg.head_dim:
         raise ValueError(
             f"mrope_section {list(section)} must have 3 parts summing to head_dim/2 ({cfg.head_dim // 2})")
@@ -155,18 +155,6 @@ def _parse_text(t: dict[str, Any], top: dict[str, Any]) -> TextConfig:
         raise ValueError(f"rope type {kind!r} is not supported; expected 'default' or 'mrope'")
     _check_act("hidden_act", cfg.hidden_act)
     return cfg
-
-
-def _int(d: dict[str, Any], key: str, default: Any) -> int:
-    value = d.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"config field {key!r} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _check_divides(name: str, value: int, by_name: str, by: int) -> None:
-    if by <= 0 or value % by:
-        raise ValueError(f"{name} ({value}) must be a positive multiple of {by_name} ({by})")
 
 
 def _check_act(name: str, act: str) -> None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.attention import AttentionBackend
-from pipeline.models.layers import GatedMLP, LayerOps, RMSNorm, apply_rotary
+from pipeline.models.layers import GatedMLP, LayerOps, RMSNorm, apply_rotary, fuse_linears
 from pipeline.models.qwen2_5_vl.config import TextConfig
 
 
@@ -25,8 +25,13 @@ class MultimodalRotary(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-        axis = [i % 3 for i, n in enumerate(cfg.mrope_section) for _ in range(n)]
-        self.register_buffer("axis_of_band", torch.tensor(axis), persistent=False)
+        self.register_buffer("axis_of_band", torch.tensor(self.band_axes()), persistent=False)
+
+    def band_axes(self) -> list[int]:
+        """The position axis of each of the head_dim/2 frequency bands: here
+        contiguous runs (t bands, then h, then w); a family with another
+        layout overrides this."""
+        return [i % 3 for i, n in enumerate(self.cfg.mrope_section) for _ in range(n)]
 
     def _inv_freq(self) -> torch.Tensor:
         dim = self.cfg.head_dim
@@ -35,8 +40,7 @@ class MultimodalRotary(nn.Module):
     def reset_buffers(self) -> None:
         device = self.inv_freq.device
         self.inv_freq = self._inv_freq().to(device)
-        axis = [i % 3 for i, n in enumerate(self.cfg.mrope_section) for _ in range(n)]
-        self.axis_of_band = torch.tensor(axis, device=device)
+        self.axis_of_band = torch.tensor(self.band_axes(), device=device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions [3, T] -> cos, sin [T, head_dim] in `dtype`."""
@@ -62,7 +66,7 @@ class SelfAttention(nn.Module):
     def fuse(self) -> None:
         """One matmul for q, k and v: the three weights move into one tensor
         and the projections become views of it (no extra memory)."""
-        self.qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, attn: AttentionBackend):
         if self.qkv is not None:
@@ -87,24 +91,15 @@ class SelfAttention(nn.Module):
         return linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
 
 
-def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = torch.cat([l.weight.data for l in linears])
-    bias = torch.cat([l.bias.data for l in linears]) if linears[0].bias is not None else None
-    start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight.data = weight[start:start + rows]
-        if bias is not None:
-            linear.bias.data = bias[start:start + rows]
-        start += rows
-    return weight, bias
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer: int) -> None:
+    """`attention`: the layer's self-attention, Qwen2's SelfAttention if not
+    given (another family passes its own; it needs fuse, forward and
+    forward_fused with SelfAttention's signatures)."""
+
+    def __init__(self, cfg: TextConfig, layer: int, attention: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, layer)
+        self.self_attn = attention if attention is not None else SelfAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False)
 

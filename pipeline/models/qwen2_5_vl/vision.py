@@ -25,10 +25,12 @@ _MLP_PAD = 64
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    """`bias`: Qwen2.5-VL's projection has none, Qwen3-VL's has one."""
+
+    def __init__(self, cfg: VisionConfig, bias: bool = False) -> None:
         super().__init__()
         self.kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, self.kernel, stride=self.kernel, bias=False)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, self.kernel, stride=self.kernel, bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
@@ -36,7 +38,7 @@ class PatchEmbed(nn.Module):
         if pixels.is_cuda:
             # The kernel equals the stride and patches arrive flattened, so the
             # convolution is one matmul; on GPUs that is much faster than conv3d.
-            return F.linear(pixels, weight.reshape(weight.shape[0], -1))
+            return F.linear(pixels, weight.reshape(weight.shape[0], -1), self.proj.bias)
         # Elsewhere keep the reference's own op: its float32 rounding then
         # matches bit for bit, which the CPU equality tests rely on.
         return self.proj(pixels.view(-1, weight.shape[1], *self.kernel)).view(pixels.shape[0], -1)
