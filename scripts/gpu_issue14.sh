@@ -7,7 +7,7 @@
 # Session 9 (40 s steps, the first 10 s warm-up; per-request records saved):
 #   run(command="PHASE=5 bash scripts/gpu_issue14.sh", carry=[".whl"])  # profile; aggregated 4x400, mixed search + interference
 #   run(command="MIXED_RATE=R PHASE=6 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD 4x400 + interference; SM share 50
-#   run(command="PHASE=7 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD without MPS
+#   run(command="MIXED_RATE=R PHASE=7 bash scripts/gpu_issue14.sh", carry=[".whl"])  # interference, SM share 50; 1x400; no MPS
 # Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
 # results of PHASE 1 from results/ (copy the files PHASE 1 brought back
@@ -75,8 +75,14 @@ elif [ "$PHASE" = 6 ]; then
   timeout 200 python3 scripts/gpu_sustained.py --layout epd --out "$R/p6-sm50" "${tiny[@]}" $long \
     --workload 4:400:2:14.5:18.5 --launch-arg=--encoder-sm-percent=50
 elif [ "$PHASE" = 7 ]; then
-  timeout 200 python3 scripts/gpu_sustained.py --layout epd --out "$R/p7-nomps" "${tiny[@]}" $long \
-    --workload 4:400:2:13:18 --launch-arg=--mps=off
+  timeout 120 python3 scripts/gpu_sustained.py --layout epd --out "$R/p7-sm50" "${tiny[@]}" $long \
+    --launch-arg=--encoder-sm-percent=50 --interference-rate "${MIXED_RATE:?the aggregated mixed maximum}"
+  timeout 150 python3 scripts/gpu_sustained.py --layout epd --out "$R/p7-epd" "${tiny[@]}" $long \
+    --workload 1:400:2:38:46
+  timeout 150 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/p7-agg" "${tiny[@]}" $long \
+    --workload 1:400:2:33:40
+  timeout 150 python3 scripts/gpu_sustained.py --layout epd --out "$R/p7-nomps" "${tiny[@]}" $long \
+    --workload 4:400:2:13:17 --launch-arg=--mps=off
 fi
 rc=$?
 # Few, shallow files come back: the profile, the summaries and a tarball of everything.

@@ -51,7 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layout", choices=("epd", "aggregated"), required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--workload", action="append", required=True, metavar="I:T[:STEPS[:LOW:HIGH]]",
+    p.add_argument("--workload", action="append", default=[], metavar="I:T[:STEPS[:LOW:HIGH]]",
                    help="images, text tokens, search steps, and the bracket (default: around the prediction)")
     p.add_argument("--profile", type=Path, help="epd-plan profile: brackets centred on its predictions")
     p.add_argument("--interference-rate", type=float)
