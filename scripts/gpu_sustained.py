@@ -119,7 +119,8 @@ def search(args: argparse.Namespace, stack: LaunchedStack, images: int, text: in
     found = read_json(args.out / f"{name}.json") or {}
     return {"workload": name, "predicted": rate, "bracket": [low, high], "bench": shlex.join(["bin/epd-bench", *bench]),
             "exit": code, "seconds": round(time.monotonic() - started, 1),
-            **{k: found.get(k) for k in ("max_request_rate", "max_offered_rate", "max_achieved_rate", "at_bound")}}
+            **{k: found.get(k) for k in ("max_request_rate", "max_offered_rate", "max_achieved_rate",
+                                                "max_sustained_rate", "at_bound")}}
 
 
 def interference(args: argparse.Namespace, stack: LaunchedStack, rate: float) -> dict:

@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO
 from pipeline.bench.plot import load_results, plot_series
 from pipeline.bench.search import (SearchSettings, describe_step, miss_reasons, parse_search, search_max_goodput,
-                                   step_passes)
+                                   step_passes, sustained_rate)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SLOS = {"ttft": 2000.0, "tpot": 50.0}
@@ -94,6 +94,14 @@ def test_target_resolution_and_budget_bound_the_steps():
     assert len(calls) == 2  # a third 10 s step would end at 30 s > 25 s
 
 
+def test_sustained_rate_is_the_lower_of_offered_and_achieved():
+    # Achieved counts a shifted window's completions: its edge jitter can
+    # put it above the arrivals, and a stack never sustains more than it got.
+    assert sustained_rate({"offered_rate": 14.9, "achieved_rate": 16.2}) == 14.9
+    assert sustained_rate({"offered_rate": 13.6, "achieved_rate": 13.5}) == 13.5
+    assert sustained_rate({"offered_rate": None, "achieved_rate": None}) is None
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(low=0.0, high=4.0), "0 < LOW < HIGH"), (dict(low=4.0, high=4.0), "0 < LOW < HIGH"),
     (dict(low=1.0, high=float("inf")), "HIGH < inf"), (dict(low=1.0, high=4.0, target=0.0), "--goodput-target"),
@@ -121,6 +129,7 @@ def test_sustained_check_catches_a_stack_that_meets_its_slos_while_falling_behin
     assert found["steps"][0]["miss_reasons"] == ["fell behind: achieved 0.62x offered"]
     best = found["steps"][-1]
     assert found["max_offered_rate"] == best["offered_rate"] and found["max_achieved_rate"] == best["achieved_rate"]
+    assert found["max_sustained_rate"] == min(best["offered_rate"], best["achieved_rate"])
     # A fraction of 0 turns the check off; 0.5 lets an 8 req/s step (0.62x) pass.
     measure, _ = fake_server_with_capacity(1000.0, keeps_up=5.0)
     found, _ = search(measure, SearchSettings(1.0, 64.0, SLOS, max_steps=3, sustained_fraction=0.0))

@@ -141,11 +141,12 @@ def search_outcome(found: dict) -> str:
     if found["max_request_rate"] is None:
         return (f"epd-bench: no step passed (the maximum lies below {found['search']['low']:g} req/s, "
                 "or the SLOs cannot be met)")
-    rate, goodput, offered, achieved = (
+    rate, goodput, offered, achieved, sustained = (
         "n/a" if found[key] is None else f"{found[key]:.3g}"
-        for key in ("max_request_rate", "max_request_goodput", "max_offered_rate", "max_achieved_rate"))
+        for key in ("max_request_rate", "max_request_goodput", "max_offered_rate", "max_achieved_rate",
+                    "max_sustained_rate"))
     return (f"epd-bench: maximum rate meeting the SLOs: {rate} req/s (goodput {goodput}; its window offered "
-            f"{offered} and achieved {achieved} req/s)")
+            f"{offered} and achieved {achieved} req/s: sustained {sustained} req/s)")
 
 
 def write_json(path: Path | None, value) -> None:

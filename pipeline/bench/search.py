@@ -187,6 +187,11 @@ async def search_max_goodput(measure: Measure, settings: SearchSettings,
     return summarize_search(steps, settings, (low, high))
 
 
+def sustained_rate(step: dict) -> float | None:
+    rates = [step.get("offered_rate"), step.get("achieved_rate")]
+    return None if None in rates else min(rates)
+
+
 def summarize_search(steps: list[dict], settings: SearchSettings, bracket: tuple[float, float]) -> dict:
     """The search's JSON: settings, every step, and the maximum found."""
     passing = [s for s in steps if s["passed"]]
@@ -200,6 +205,10 @@ def summarize_search(steps: list[dict], settings: SearchSettings, bracket: tuple
         # The window figures of that step: what it offered and what the stack kept up with.
         "max_offered_rate": best["offered_rate"] if best else None,
         "max_achieved_rate": best["achieved_rate"] if best else None,
+        # The sustained goodput: what that step both received and completed.
+        # Achieved counts completions over a shifted window, so it can exceed
+        # the arrivals by the edges' jitter; the lower of the two is the claim.
+        "max_sustained_rate": sustained_rate(best) if best else None,
         # The answer sits at a bound the search never saw a miss or pass beyond.
         "at_bound": ("high" if best and bracket[1] == settings.high else
                      "low" if not best else None),
