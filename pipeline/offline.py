@@ -47,7 +47,7 @@ class OfflineModel:
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
         try:
             loaded = load_model(model_dir, dtype=dtype, device=device)
-            processor = Processor.from_checkpoint(model_dir, loaded.config.image_token_id)
+            processor = Processor.from_checkpoint(model_dir, loaded.model.spec.image_token_id)
         except (ModelLoadError, FileNotFoundError, ValueError) as exc:
             raise InputError(str(exc)) from exc
         return cls(loaded, processor)
@@ -74,7 +74,7 @@ class OfflineModel:
         return GenerateResult(prompt.token_ids, token_ids, self.processor.tokenizer.decode(token_ids))
 
     def _check_context(self, prompt_tokens: int, max_tokens: int) -> None:
-        context = self.loaded.config.max_context
+        context = self.loaded.model.spec.language.max_context
         if prompt_tokens + max_tokens > context:
             raise InputError(
                 f"the prompt has {prompt_tokens} tokens; with max tokens {max_tokens} it needs "

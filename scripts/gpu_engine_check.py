@@ -141,8 +141,8 @@ def _prefill_then_step(model: torch.nn.Module, device: torch.device, lens, bs: i
     """Each sequence prefilled alone through the reference backend into a
     paged cache with scattered blocks; then one decode step of them all.
     Returns (reference logits of that step, cache, tables, step ids, positions)."""
-    text = model.cfg.text
-    cache = PagedKVCache(text.num_hidden_layers, num_blocks + 1, bs, text.num_key_value_heads, text.head_dim,
+    lang = model.spec.language
+    cache = PagedKVCache(lang.num_layers, num_blocks + 1, bs, lang.kv_heads, lang.head_dim,
                          next(model.parameters()).dtype, device)
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     tables = []
@@ -153,9 +153,9 @@ def _prefill_then_step(model: torch.nn.Module, device: torch.device, lens, bs: i
     with torch.inference_mode():
         for n, table in zip(lens, tables):
             layout = StepLayout.build([SequenceSlice(0, n, 0, tuple(table))], bs, device)
-            ids = torch.tensor(rng.integers(0, text.vocab_size, n), device=device)
+            ids = torch.tensor(rng.integers(0, lang.vocab_size, n), device=device)
             model(model.embed(ids), model.decode_positions(0, n, 0).to(device), ReferencePagedAttention(cache, layout))
-        step = [int(x) for x in rng.integers(0, text.vocab_size, len(lens))]
+        step = [int(x) for x in rng.integers(0, lang.vocab_size, len(lens))]
         positions = torch.cat([model.decode_positions(n, 1, 0) for n in lens], dim=1)
         layout = StepLayout.build([SequenceSlice(i, 1, n, tuple(t)) for i, (n, t) in enumerate(zip(lens, tables))],
                                   bs, device)

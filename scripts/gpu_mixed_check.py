@@ -52,8 +52,8 @@ def _mixed_step(model, device: torch.device, fast: bool, bs: int = 16, num_block
     blocks; then one mixed step of SPECS (an image-like embedding spliced
     into the fresh chunk) through MixedGraphs or the reference. Returns
     (sampled rows' logits in float32, cache)."""
-    text = model.cfg.text
-    cache = PagedKVCache(text.num_hidden_layers, num_blocks + 1, bs, text.num_key_value_heads, text.head_dim,
+    lang = model.spec.language
+    cache = PagedKVCache(lang.num_layers, num_blocks + 1, bs, lang.kv_heads, lang.head_dim,
                          next(model.parameters()).dtype, device)
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     rng = np.random.default_rng(0)
@@ -63,15 +63,15 @@ def _mixed_step(model, device: torch.device, fast: bool, bs: int = 16, num_block
             table = tuple(order[:-(-(q + c) // bs)])
             order = order[len(table):]
             if c:
-                ids = torch.tensor(rng.integers(0, text.vocab_size, c), device=device)
+                ids = torch.tensor(rng.integers(0, lang.vocab_size, c), device=device)
                 layout = StepLayout.build([SequenceSlice(0, c, 0, table)], bs, device)
                 model(model.embed(ids), model.decode_positions(0, c, 0).to(device),
                       ReferencePagedAttention(cache, layout))
             slices.append(SequenceSlice(offset, q, c, table))
             offset += q
-        ids = [int(x) for x in rng.integers(0, text.vocab_size, offset)]
+        ids = [int(x) for x in rng.integers(0, lang.vocab_size, offset)]
         positions = torch.cat([model.decode_positions(c, q, 0) for q, c in SPECS], dim=1)
-        image = torch.randn(64, text.hidden_size, generator=torch.Generator().manual_seed(3)).to(device) * 0.05
+        image = torch.randn(64, lang.hidden_size, generator=torch.Generator().manual_seed(3)).to(device) * 0.05
         image = image.to(next(model.parameters()).dtype)
         at = slices[3].offset + (slices[3].query_len - 64) // 2   # inside the fresh chunk
         rows = [s.offset + s.query_len - 1 for s in slices]

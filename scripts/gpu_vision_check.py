@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The vision tower on a GPU (run on the GPU box, not in CI):
 
-1. equality: our Qwen2.5-VL-3B-shaped tower (random bf16 weights made on the
-   GPU) against transformers' own vision tower holding the same weights, on
+1. equality: our tower of a named shape (--shape; default the Qwen2.5-VL-3B
+   one; random bf16 weights made on the GPU) against transformers' own
+   vision tower holding the same weights (every DeepStack level too), on
    batches of 640x640 images, on plain PyTorch ops and on the fused Triton
    kernels (VisionTower.fuse, the stages' default on CUDA); our captured
    forward (VisionGraphs, fused) against our eager fused one;
@@ -10,7 +11,11 @@
    ours on plain ops, ours fused, ours fused and replayed as a CUDA graph;
    milliseconds per image and the ratios.
 
-    python3 scripts/gpu_vision_check.py [--batches 1,4,8,16] [--json out.json]
+    python3 scripts/gpu_vision_check.py [--shape qwen3-vl-4b] [--batches 1,4,8,16] [--json out.json]
+
+For a tower with full attention in every block, each batch also reports the
+forward's FLOPs per image and the share of the box's bf16 matmul peak
+(769 TFLOP/s measured on the H200) that our fastest forward reached.
 
 Each section that fails is recorded with its traceback and the run goes on.
 """
@@ -68,13 +73,18 @@ def mixed_sizes(fused, graphs, config, device: torch.device, report: dict) -> No
     print("mixed sizes:", json.dumps(row), flush=True)
 
 
-def hf_tower(ours: torch.nn.Module, device: torch.device):
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-    config = Qwen2_5_VLVisionConfig(**shape_config("qwen2.5-vl-3b")["vision_config"])
+def hf_tower(shape: str, ours: torch.nn.Module, device: torch.device):
+    vision_config = shape_config(shape)["vision_config"]
+    if shape.startswith("qwen3-vl"):
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig as Config
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
+    else:
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as Config
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel as Tower)
+    config = Config(**vision_config)
     config._attn_implementation = "sdpa"
-    hf = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=torch.bfloat16).to(device)
+    hf = Tower._from_config(config, dtype=torch.bfloat16).to(device)
     missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
     if unexpected or [m for m in missing if "inv_freq" not in m]:
         raise RuntimeError(f"weights do not map: missing {missing}, unexpected {unexpected}")
@@ -82,8 +92,30 @@ def hf_tower(ours: torch.nn.Module, device: torch.device):
 
 
 def hf_forward(hf, pixels, grid):
+    """The reference's output laid out as ours: [main | DeepStack levels...]."""
     out = hf(pixels, grid_thw=grid)
-    return getattr(out, "pooler_output", out)
+    main = getattr(out, "pooler_output", out)
+    levels = list(getattr(out, "deepstack_features", None) or [])
+    return torch.cat([main, *levels], dim=1) if levels else main
+
+
+PEAK_TFLOPS = 769.0   # bf16 dense matmul measured on the H200 (README of the GPU facts)
+
+
+def full_attention_flops(vision: dict, grid: tuple[int, int, int]) -> float | None:
+    """Forward FLOPs of one image through a tower whose every block attends
+    over the whole image (None for windowed towers): patch embedding,
+    blocks (projections, MLP, attention), the merger and DeepStack mergers."""
+    if vision.get("window_size") or vision.get("fullatt_block_indexes"):
+        return None
+    t, h, w = grid
+    rows, hid, mlp = t * h * w, vision["hidden_size"], vision["intermediate_size"]
+    merge = vision["spatial_merge_size"] ** 2
+    patch = 3 * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    block = rows * 2 * (4 * hid * hid + 2 * hid * mlp) + 2 * 2 * rows * rows * hid
+    mergers = 1 + len(vision.get("deepstack_visual_indexes") or [])
+    merger = (rows // merge) * 2 * (merge * hid * merge * hid + merge * hid * vision["out_hidden_size"])
+    return rows * 2 * patch * hid + vision["depth"] * block + mergers * merger
 
 
 def _sync() -> None:
@@ -108,11 +140,13 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
     return {"max_abs_diff": diff, "ref_max_abs": scale, "ok": diff <= 3e-2 * max(scale, 1.0)}
 
 
-def run(device: torch.device, batches: list[int], size: int, report: dict) -> None:
-    tower = random_model("qwen2.5-vl-3b", torch.bfloat16, device, part="visual").model
-    config = ImageProcessorConfig.from_checkpoint(shape_model_dir("qwen2.5-vl-3b"))
+def run(device: torch.device, shape: str, batches: list[int], size: int, report: dict) -> None:
+    tower = random_model(shape, torch.bfloat16, device, part="visual").model
+    config = ImageProcessorConfig.from_checkpoint(shape_model_dir(shape))
+    flops = full_attention_flops(shape_config(shape)["vision_config"], image_grid_thw(size, size, config))
+    report["tflop_per_image"] = flops / 1e12 if flops else None
     try:
-        hf = hf_tower(tower, device)
+        hf = hf_tower(shape, tower, device)
     except Exception:  # recorded; the graph check and our timings still run
         report["transformers_error"] = traceback.format_exc()
         hf = None
@@ -141,6 +175,9 @@ def run(device: torch.device, batches: list[int], size: int, report: dict) -> No
                 row["graph_ms_per_image"] = median_ms(lambda: graphs(pixels, grids), 10) / b
                 row["fused_speedup"] = row["eager_ms_per_image"] / row["fused_ms_per_image"]
                 row["graph_speedup_over_fused"] = row["fused_ms_per_image"] / row["graph_ms_per_image"]
+                best = min(row["eager_ms_per_image"], row["fused_ms_per_image"], row["graph_ms_per_image"])
+                if flops:
+                    row["peak_share"] = flops / (best / 1000) / (PEAK_TFLOPS * 1e12)
                 if hf is not None:
                     want = hf_forward(hf, pixels, grid)
                     row["vs_transformers"] = compare(eager, want)
@@ -160,6 +197,7 @@ def run(device: torch.device, batches: list[int], size: int, report: dict) -> No
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", type=Path)
+    p.add_argument("--shape", default="qwen2.5-vl-3b", help="a named shape of pipeline/models/shape_configs.py")
     p.add_argument("--batches", default="1,4,8,16")
     p.add_argument("--image-size", type=int, default=640)
     p.add_argument("--device", default="cuda:0", help="cpu: a dry run of the script")
@@ -168,9 +206,9 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    report: dict = {"device": name, "torch": torch.__version__, "image_size": args.image_size}
+    report: dict = {"device": name, "torch": torch.__version__, "shape": args.shape, "image_size": args.image_size}
     try:
-        run(device, [int(b) for b in args.batches.split(",")], args.image_size, report)
+        run(device, args.shape, [int(b) for b in args.batches.split(",")], args.image_size, report)
     except Exception:
         report["error"] = traceback.format_exc()
         print(report["error"], flush=True)

@@ -141,14 +141,13 @@ def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: tor
         return args.kv_cache_mib << 20, f"--kv-cache-mib {args.kv_cache_mib}"
     if device.type != "cuda":
         return CPU_KV_CACHE_MIB << 20, f"--kv-cache-mib auto on {device.type}"
-    text = model.cfg.text
+    lang, vision = model.spec.language, model.spec.vision
     dtype_bytes = next(model.parameters()).element_size()
-    shape = LanguageShape(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, text.hidden_size,
-                          text.intermediate_size, text.vocab_size, text.max_position_embeddings, dtype_bytes)
+    shape = LanguageShape(lang.num_layers, lang.kv_heads, lang.head_dim, lang.hidden_size,
+                          lang.intermediate_size, lang.vocab_size, lang.max_context, dtype_bytes)
     vision_bytes = 0
     if args.mode == "aggregated":
-        vision = model.cfg.vision
-        patches = args.local_encode_tokens * vision.spatial_merge_size ** 2
+        patches = args.local_encode_tokens * vision.patches_per_token
         vision_bytes = forward_peak_bytes(patches, vision.hidden_size, vision.intermediate_size, dtype_bytes)
     reserve = activation_reserve(shape, args.max_num_batched_tokens, args.max_num_seqs, vision_bytes)
     # Loading leaves freed staging buffers in torch's cache: hand them back,

@@ -75,10 +75,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def build_app(args: argparse.Namespace) -> web.Application:
     model_dir = args.model or default_model_dir()
-    _, config = load_config(model_dir)
-    processor = Processor.from_checkpoint(model_dir, config.image_token_id)
+    family, config = load_config(model_dir)
+    spec = family.spec(config)
+    processor = Processor.from_checkpoint(model_dir, spec.image_token_id)
     model_id = args.model_id or Path(model_dir).name
-    model = ModelInfo(model_id, processor, config.max_context,
+    model = ModelInfo(model_id, processor, spec.language.max_context,
                       media_salt(model_id, processor.image_config.settings_key()),
                       aggregated=args.mode == "aggregated", max_images=args.max_images)
     address = args.address or transport.ipc_address(f"proxy-{args.port}")

@@ -67,7 +67,9 @@ def test_profile_out_leaves_a_copy_in_the_cache(measured):
 
 def test_plan_json_lists_every_candidate_and_the_chosen_one(measured):
     out, _, _ = measured
-    result = epd_plan("--profile", str(out), "--gpus", "2", "--images", "1", "--image-size", "224x224", "--json")
+    # SLOs no CPU misses, however loaded: every layout then has a rate.
+    result = epd_plan("--profile", str(out), "--gpus", "2", "--images", "1", "--image-size", "224x224", "--json",
+                      "--slo-ttft-ms", "1e7", "--slo-tpot-ms", "1e7")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     layouts = report["layouts"]

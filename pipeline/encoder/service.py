@@ -230,7 +230,7 @@ class EncoderService:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tower.patch_embed.proj.weight.dtype
+        return self.tower.dtype
 
     def _forward_and_store(self, reserved: list[tuple[_Decoded, Entry]]) -> None:
         """Compute thread: one vision forward for the batch, outputs into the

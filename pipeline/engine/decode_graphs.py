@@ -105,15 +105,16 @@ class DecodeGraphs:
         max_blocks = -(-self.max_len // cache.block_size)
         # Every per-step input lives in one device buffer, filled from one
         # pinned host mirror by one copy: one transfer per step, not five.
-        mb = self.max_batch
-        self.header = 6 * mb   # token ids, 3 rows of positions, slots, lengths
+        mb, axes = self.max_batch, model.spec.position_axes
+        self.axes = axes
+        self.header = (3 + axes) * mb   # token ids, a row per position axis, slots, lengths
         size = self.header + mb * max_blocks
         self.inputs = torch.zeros(size, dtype=torch.long, device=device)
         self.staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
         self.token_ids = self.inputs[0:mb]
-        self.positions = self.inputs[mb:4 * mb].view(3, mb)
-        self.slot_mapping = self.inputs[4 * mb:5 * mb]
-        self.lengths = self.inputs[5 * mb:6 * mb]
+        self.positions = self.inputs[mb:(1 + axes) * mb].view(axes, mb)
+        self.slot_mapping = self.inputs[(1 + axes) * mb:(2 + axes) * mb]
+        self.lengths = self.inputs[(2 + axes) * mb:(3 + axes) * mb]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.last_bucket: tuple[int, int] | None = None   # the (batch, length) bucket of the last step
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -156,7 +157,7 @@ class DecodeGraphs:
             for lb in lengths:
                 if (bb, lb) not in self.graphs:
                     # Padding rows only: every row reads and writes the null block.
-                    self._fill([], torch.zeros(3, 0, dtype=torch.long), [], [], bb, lb)
+                    self._fill([], torch.zeros(self.axes, 0, dtype=torch.long), [], [], bb, lb)
                     self.graphs[(bb, lb)] = self._capture(bb, lb)
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
@@ -172,11 +173,12 @@ class DecodeGraphs:
         host = self.staging.numpy()
         host[:self.header] = 0
         host[0:n] = token_ids
-        host[mb:4 * mb].reshape(3, mb)[:, :n] = positions.cpu().numpy()
-        host[4 * mb:4 * mb + bb] = null * bs
-        host[4 * mb:4 * mb + n] = [t[c // bs] * bs + c % bs for t, c in zip(block_tables, context_lens)]
-        host[5 * mb:5 * mb + bb] = 1
-        host[5 * mb:5 * mb + n] = [c + 1 for c in context_lens]
+        host[mb:(1 + self.axes) * mb].reshape(self.axes, mb)[:, :n] = positions.cpu().numpy()
+        slots, lengths = (1 + self.axes) * mb, (2 + self.axes) * mb
+        host[slots:slots + bb] = null * bs
+        host[slots:slots + n] = [t[c // bs] * bs + c % bs for t, c in zip(block_tables, context_lens)]
+        host[lengths:lengths + bb] = 1
+        host[lengths:lengths + n] = [c + 1 for c in context_lens]
         tables = host[self.header:self.header + bb * cols].reshape(bb, cols)
         tables[:] = null
         for row, table in zip(tables, block_tables):

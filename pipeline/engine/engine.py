@@ -81,10 +81,9 @@ class _Live:
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, config: EngineConfig,
                  device: torch.device) -> None:
-        text = model.cfg.text
+        lang = model.spec.language
         dtype = next(model.parameters()).dtype
-        num_blocks = num_blocks_for_memory(config.kv_cache_bytes, text.num_hidden_layers,
-                                           text.num_key_value_heads, text.head_dim,
+        num_blocks = num_blocks_for_memory(config.kv_cache_bytes, lang.num_layers, lang.kv_heads, lang.head_dim,
                                            torch.empty(0, dtype=dtype).element_size(), config.block_size)
         self.config = config
         self.model = model
@@ -95,12 +94,12 @@ class Engine:
             config.local_encode_tokens if config.aggregated else 0))
         # One block more than the scheduler hands out: the null block that
         # padding rows of a fast decode step read and write.
-        kv = PagedKVCache(text.num_hidden_layers, num_blocks + 1, config.block_size, text.num_key_value_heads,
-                          text.head_dim, dtype, device)
+        kv = PagedKVCache(lang.num_layers, num_blocks + 1, config.block_size, lang.kv_heads, lang.head_dim,
+                          dtype, device)
         decode = None
         if config.fast_decode or (config.fast_decode is None and device.type == "cuda"):
             model.fuse()
-            max_len = min(text.max_position_embeddings, num_blocks * config.block_size)
+            max_len = min(lang.max_context, num_blocks * config.block_size)
             decode = DecodeGraphs(model, kv, num_blocks, config.max_num_seqs, max_len, device, use_graphs=True,
                                   matmul=config.decode_matmul)
             started = time.monotonic()
@@ -125,8 +124,7 @@ class Engine:
             return None
         if decode is None:
             raise ValueError("fast_mixed needs fast_decode (the fused projections and the null block)")
-        text = model.cfg.text
-        max_len = min(text.max_position_embeddings, num_blocks * config.block_size)
+        max_len = min(model.spec.language.max_context, num_blocks * config.block_size)
         mixed = MixedGraphs(model, kv, num_blocks, config.max_num_batched_tokens, config.max_num_seqs, max_len,
                             device, use_graphs=True)
         started = time.monotonic()
@@ -159,7 +157,12 @@ class Engine:
     def add_embedding(self, key: str, embedding: torch.Tensor) -> None:
         """An image embedding arrived; kept pending until a request needs it
         and the cache has room. ValueError if its length disagrees with a
-        request's placeholder run."""
+        request's placeholder run, or if its rows are not as wide as this
+        model's (an encoder serving another model)."""
+        width = self.model.spec.embedding_width
+        if embedding.dim() != 2 or embedding.shape[1] != width:
+            raise ValueError(f"image embedding {key} has shape {tuple(embedding.shape)}; this model takes "
+                             f"[tokens, {width}] rows (is its encoder serving another model?)")
         if not self._admit(key, embedding):
             self.pending_embeddings[key] = (embedding, time.monotonic())
 

@@ -11,7 +11,8 @@ Per step the host writes every input (token ids, M-RoPE positions, slot
 mapping, sequence offsets, context lengths, the attention kernel's program
 plan, the rows to sample, the block tables at this step's width) into one
 pinned buffer and sends it in one copy; image embeddings are spliced into
-the static embeds buffer before the replay. A bucket's tokens past the real
+the static embeds buffer (and their side levels into the static side
+buffer) before the replay. A bucket's tokens past the real
 ones form a padding sequence: K/V written to the null block, attention
 output zero, logits never read.
 """
@@ -56,15 +57,16 @@ class MixedGraphs:
             raise ValueError(f"fast mixed steps need triton and a CUDA device (or TRITON_INTERPRET=1), not {device}")
         from pipeline.kernels import unified_attention  # triton only where it runs
         self.plan = unified_attention
-        text = model.cfg.text
-        self.per_program = unified_attention.block_q(text.num_attention_heads, text.num_key_value_heads)
+        lang = model.spec.language
+        self.per_program = unified_attention.block_q(lang.num_attention_heads, lang.kv_heads)
         self.model, self.cache, self.null_block, self.device = model, cache, null_block, device
         self.use_graphs = use_graphs and device.type == "cuda"
         self.min_tokens = min_tokens
         self.max_tokens = token_bucket(max_tokens, min_tokens)
         self.max_seqs = max_seqs
         self.max_blocks = -(-max_len // cache.block_size)
-        self._allocate(text.hidden_size, next(model.parameters()).dtype)
+        self.axes = model.spec.position_axes
+        self._allocate(lang.hidden_size, next(model.parameters()).dtype)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # A pool apart from the decode graphs': graphs sharing one may reuse
         # each other's memory, safe only under an order of replays that two
@@ -74,7 +76,7 @@ class MixedGraphs:
     def _allocate(self, hidden: int, dtype: torch.dtype) -> None:
         mt, ms = self.max_tokens, self.max_seqs
         programs = self.plan.max_programs(mt, ms, self.per_program)
-        sizes = dict(ids=mt, positions=3 * mt, slots=mt, sample=ms, cu=ms + 2, ctx=ms + 1, stride=1,
+        sizes = dict(ids=mt, positions=self.axes * mt, slots=mt, sample=ms, cu=ms + 2, ctx=ms + 1, stride=1,
                      programs=2 * programs)
         self.at, start = {}, 0
         for name, size in sizes.items():
@@ -86,6 +88,11 @@ class MixedGraphs:
         self.inputs = torch.zeros(size, dtype=torch.long, device=self.device)
         self.staging = torch.zeros(size, dtype=torch.long, pin_memory=pinned)
         self.embeds = torch.zeros(mt, hidden, dtype=dtype, device=self.device)
+        # Side levels (spec.side_levels) of the image rows: zeros elsewhere,
+        # so the rows one step wrote are cleared before the next.
+        levels = self.model.spec.side_levels
+        self.side = torch.zeros(mt, levels, hidden, dtype=dtype, device=self.device) if levels else None
+        self.side_rows: list[tuple[int, int]] = []
         # Marks the last copy out of the pinned mirror: the host may not
         # rewrite the mirror while that copy can still be reading it.
         self.copied = torch.cuda.Event() if pinned else None
@@ -106,8 +113,7 @@ class MixedGraphs:
         tb = token_bucket(tokens, self.min_tokens)
         self._fill(token_ids, positions, slices, sample_rows, tb)
         self.embeds[:tb].copy_(self.model.embed(self._view("ids")[:tb]))
-        for row, embedding in splices:
-            self.embeds[row:row + embedding.shape[0]].copy_(embedding)
+        self._splice(splices)
         if not self.use_graphs:
             return self._forward(tb)[:len(sample_rows)]
         if tb not in self.graphs:
@@ -115,6 +121,17 @@ class MixedGraphs:
         graph, logits = self.graphs[tb]
         graph.replay()
         return logits[:len(sample_rows)]
+
+    def _splice(self, splices: list[tuple[int, torch.Tensor]]) -> None:
+        for row, count in self.side_rows:
+            self.side[row:row + count].zero_()
+        self.side_rows = []
+        for row, rows in splices:
+            main, levels = self.model.spec.split_rows(rows)
+            self.embeds[row:row + rows.shape[0]].copy_(main)
+            if levels is not None:
+                self.side[row:row + rows.shape[0]].copy_(levels)
+                self.side_rows.append((row, rows.shape[0]))
 
     def capture_all(self) -> int:
         """Capture every token bucket now, at start-up: a first capture (and
@@ -125,7 +142,7 @@ class MixedGraphs:
         tb = self.min_tokens
         while tb <= self.max_tokens:
             if tb not in self.graphs:
-                self._fill([], torch.zeros(3, 0, dtype=torch.long), [], [], tb)   # padding only
+                self._fill([], torch.zeros(self.axes, 0, dtype=torch.long), [], [], tb)   # padding only
                 self.graphs[tb] = capture_graph(self.device, self.pool, lambda: self._forward(tb))
             tb = token_bucket(tb + 1, self.min_tokens)
         torch.cuda.synchronize(self.device)
@@ -150,7 +167,7 @@ class MixedGraphs:
             used = s.block_table[:width]
             row[:len(used)] = used
         self._view("ids", host)[:n] = token_ids
-        self._view("positions", host).reshape(3, -1)[:, :n] = positions.cpu().numpy()
+        self._view("positions", host).reshape(self.axes, -1)[:, :n] = positions.cpu().numpy()
         slots = self._view("slots", host)
         slots[:tb] = null * bs + np.arange(tb) % bs
         if n:
@@ -177,5 +194,6 @@ class MixedGraphs:
         from pipeline.kernels.paged_backend import TritonMixedAttention  # triton only where it runs
         attn = TritonMixedAttention(self.cache, self._view("slots")[:tb], self.inputs[self.header:],
                                     self._view("stride"), self._view("cu"), self._view("ctx"), self._programs(tb))
-        hidden = self.model(self.embeds[:tb], self._view("positions").view(3, -1)[:, :tb], attn)
+        side = None if self.side is None else self.side[:tb]
+        hidden = self.model(self.embeds[:tb], self._view("positions").view(self.axes, -1)[:, :tb], attn, side)
         return self.model.logits(hidden.index_select(0, self._view("sample")))

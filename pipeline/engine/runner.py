@@ -1,6 +1,7 @@
 """Executes a step plan on the model: builds the flat batch (token ids,
-M-RoPE positions, spliced image embeddings, paged-attention layout), runs one
-forward over every chunk, and returns the logits of the rows due a sample."""
+positions, spliced image embeddings and their side levels, paged-attention
+layout), runs one forward over every chunk, and returns the logits of the
+rows due a sample."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from pipeline.engine.mixed_graphs import MixedGraphs
 from pipeline.engine.paged_attention import PagedKVCache, ReferencePagedAttention, SequenceSlice, StepLayout
 from pipeline.engine.plan import Chunk, StepPlan
 from pipeline.engine.request import Request
+from pipeline.models.spec import splice_rows
 
 
 @dataclass
 class PromptGeometry:
     """What the runner needs to place a request's tokens: its prompt's
-    positions [3, prompt_len] and the decode delta."""
+    positions [position_axes, prompt_len] and the decode delta."""
 
     positions: torch.Tensor
     delta: int
@@ -65,17 +67,18 @@ class ModelRunner:
             offset += chunk.num_tokens
         due = [c for c in plan.chunks if c.sample]
         rows = [s.offset + s.query_len - 1 for s, c in zip(slices, plan.chunks) if c.sample]
+        # A chunk that covers part of an image takes the same rows of its
+        # embedding, side levels included.
+        pieces = [(at, embeddings(key)[first:first + count]) for at, key, first, count in splices]
         if self.mixed is not None:
-            pieces = [(at, embeddings(key)[first:first + count]) for at, key, first, count in splices]
             return due, self.mixed.run(ids, positions.tensor(), slices, pieces, rows)
         embeds = self.model.embed(torch.tensor(ids, device=self.device))
-        for at, key, first, count in splices:
-            embeds[at:at + count] = embeddings(key)[first:first + count].to(embeds.dtype)
+        side = splice_rows(self.model.spec, embeds, pieces)
         layout = StepLayout.build(slices, self.kv_cache.block_size, self.device)
         # The fast path's mixed steps batch their decode rows; the reference
         # backend is what the equality tests pin.
         backend = MixedStepAttention if self.decode is not None else ReferencePagedAttention
-        hidden = self.model(embeds, positions.tensor().to(self.device), backend(self.kv_cache, layout))
+        hidden = self.model(embeds, positions.tensor().to(self.device), backend(self.kv_cache, layout), side)
         logits = self.model.logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
         return due, logits
 
@@ -90,7 +93,7 @@ class ModelRunner:
 
 
 class _StepPositions:
-    """A step's M-RoPE positions [3, tokens], chunk after chunk: the prompt's
+    """A step's positions [position_axes, tokens], chunk after chunk: the prompt's
     own positions where a chunk is in its prompt, the model's decode
     positions after it. Decode positions of consecutive chunks are gathered
     as ints and made into one tensor: a step beside ~100 decoding requests

@@ -198,6 +198,11 @@ class GeneratorService:
                               f"encoder {message.encoder_id}'s arena cannot be opened here: {exc}")
                 return
             self.encoder_arenas[message.encoder_id] = message.arena.arena_id
+            width = self.engine.model.spec.embedding_width
+            if message.widths.get("image", width) != width:
+                # Each of its embeddings will fail its request (Engine.add_embedding).
+                log.error("encoder %s makes image embeddings %d wide; this generator's model takes %d",
+                          message.encoder_id, message.widths["image"], width)
             for ready, since in self.waiting_for_arena.take_all():
                 self._on_embedding(ready, since)
         elif isinstance(message, protocol.Wake):

@@ -1,7 +1,7 @@
 """Model families, chosen by a checkpoint's `config.json`.
 
-A family knows how to read its config, build its modules, and name its
-checkpoint tensors. A family is one package under pipeline/models/ that
+A family knows how to read its config, say what the serving code may know
+of it (a ModelSpec), build its modules, and name its checkpoint tensors. A family is one package under pipeline/models/ that
 registers itself when imported; the registry imports every such package on
 first use, so adding a family adds a folder and edits no list here or
 anywhere else.
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pipeline.models.errors import UnsupportedModelError
+from pipeline.models.spec import ModelSpec
 
 
 class ModelFamily(ABC):
@@ -39,6 +40,10 @@ class ModelFamily(ABC):
     @abstractmethod
     def build(self, config: Any, dtype: torch.dtype) -> torch.nn.Module:
         """The full model, parameters in `dtype`."""
+
+    @abstractmethod
+    def spec(self, config: Any) -> ModelSpec:
+        """What the serving code may know of this config (spec.py)."""
 
     @abstractmethod
     def canonical_name(self, checkpoint_name: str, config: Any) -> str | None:

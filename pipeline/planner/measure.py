@@ -95,7 +95,7 @@ class Box:
                                   kv_cache_bytes=settings.kv_cache_mib << 20,
                                   capture_decode_len=max(4096, settings.context_len + 256))
             self.engine = Engine(model, Tokenizer.from_checkpoint(self.model_dir), config, self.device)
-            self.vocab = min(model.cfg.text.vocab_size, 150000)
+            self.vocab = min(model.spec.language.vocab_size, 150000)
         self._ids = 0
 
     def sync(self) -> None:

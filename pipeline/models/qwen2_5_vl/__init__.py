@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
-from pipeline.models.qwen2_5_vl.config import Qwen25VLConfig, parse_config
+from pipeline.models.qwen2_5_vl.config import Qwen25VLConfig, model_spec, parse_config
 from pipeline.models.qwen2_5_vl.model import Qwen25VL
 from pipeline.models.registry import ModelFamily, register
+from pipeline.models.spec import ModelSpec
 
 # Checkpoints written by some transformers 4.x releases nest the language
 # model and the vision tower under `model.`; hub checkpoints do not.
@@ -25,6 +26,9 @@ class Qwen25VLFamily(ModelFamily):
 
     def build(self, config: Qwen25VLConfig, dtype: torch.dtype) -> Qwen25VL:
         return Qwen25VL(config).to(dtype)
+
+    def spec(self, config: Qwen25VLConfig) -> ModelSpec:
+        return model_spec(config)
 
     def canonical_name(self, checkpoint_name: str, config: Qwen25VLConfig) -> str | None:
         if checkpoint_name == "lm_head.weight" and config.text.tie_word_embeddings:

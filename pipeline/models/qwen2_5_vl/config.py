@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.models.config_fields import check_divides, eos_token_ids, int_field
+from pipeline.models.spec import ModelSpec, spec_from_config
 
 
 @dataclass(frozen=True)
@@ -160,3 +161,8 @@ def _parse_text(t: dict[str, Any], top: dict[str, Any]) -> TextConfig:
 def _check_act(name: str, act: str) -> None:
     if act != "silu":
         raise ValueError(f"{name} {act!r} is not supported; Qwen2.5-VL uses 'silu'")
+
+
+def model_spec(cfg: Qwen25VLConfig) -> ModelSpec:
+    """What the serving code may know of this model (pipeline/models/spec.py)."""
+    return spec_from_config("qwen2_5_vl", cfg)

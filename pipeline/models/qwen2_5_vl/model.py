@@ -8,16 +8,18 @@ from torch import nn
 
 from pipeline.models.attention import AttentionBackend
 from pipeline.models.qwen2_5_vl import positions as mrope
-from pipeline.models.qwen2_5_vl.config import Qwen25VLConfig
+from pipeline.models.qwen2_5_vl.config import Qwen25VLConfig, model_spec
 from pipeline.models.qwen2_5_vl.text import TextModel
 from pipeline.models.qwen2_5_vl.vision import VisionTower
 from pipeline.models.qwen2_5_vl.vision_layout import Grid
+from pipeline.models.spec import ModelSpec
 
 
 class Qwen25VL(nn.Module):
     def __init__(self, cfg: Qwen25VLConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.spec: ModelSpec = model_spec(cfg)
         self.visual = VisionTower(cfg.vision)
         self.model = TextModel(cfg.text)
         if not cfg.text.tie_word_embeddings:
@@ -47,8 +49,11 @@ class Qwen25VL(nn.Module):
         return self.model.embed_tokens(token_ids)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
-        """Final hidden states [T, hidden] for a flat stream of T tokens."""
+                attn: AttentionBackend, side: None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] for a flat stream of T tokens
+        (`side` is for families with side levels: this one has none)."""
+        if side is not None:
+            raise ValueError("Qwen2.5-VL takes no side features")
         return self.model(embeds, positions, attn)
 
     def prompt_positions(self, num_tokens: int, image_spans: list[tuple[int, int]],

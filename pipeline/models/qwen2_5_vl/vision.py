@@ -140,6 +140,11 @@ class VisionTower(nn.Module):
     def out_dim(self) -> int:
         return self.cfg.out_hidden_size
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its inputs are cast to."""
+        return self.patch_embed.proj.weight.dtype
+
     def tokens_per_image(self, grid: Grid) -> int:
         t, h, w = grid
         return t * h * w // self.unit

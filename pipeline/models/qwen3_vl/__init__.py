@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
-from pipeline.models.qwen3_vl.config import Qwen3VLConfig, parse_config
+from pipeline.models.qwen3_vl.config import Qwen3VLConfig, model_spec, parse_config
 from pipeline.models.qwen3_vl.model import Qwen3VL
 from pipeline.models.registry import ModelFamily, register
+from pipeline.models.spec import ModelSpec
 
 # Checkpoints nest both parts under `model.`; our module keeps the vision
 # tower at `visual` (what an encoder process loads alone) and the language
@@ -26,6 +27,9 @@ class Qwen3VLFamily(ModelFamily):
 
     def build(self, config: Qwen3VLConfig, dtype: torch.dtype) -> Qwen3VL:
         return Qwen3VL(config).to(dtype)
+
+    def spec(self, config: Qwen3VLConfig) -> ModelSpec:
+        return model_spec(config)
 
     def canonical_name(self, checkpoint_name: str, config: Qwen3VLConfig) -> str | None:
         if checkpoint_name == "lm_head.weight" and config.text.tie_word_embeddings:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.models.config_fields import check_divides, eos_token_ids, int_field
+from pipeline.models.spec import ModelSpec, spec_from_config
 
 # The vision tower's activations the reference offers that we implement.
 VISION_ACTS = ("gelu_pytorch_tanh", "gelu")
@@ -191,3 +192,8 @@ def _check_mrope_section(section: tuple[int, ...], head_dim: int) -> None:
     if len(section) != 3 or sum(section) * 2 != head_dim:
         raise ValueError(
             f"mrope_section {list(section)} must have 3 parts summing to head_dim/2 ({head_dim // 2})")
+
+
+def model_spec(cfg: Qwen3VLConfig) -> ModelSpec:
+    """What the serving code may know of this model (pipeline/models/spec.py)."""
+    return spec_from_config("qwen3_vl", cfg, side_levels=cfg.deepstack_levels)

@@ -3,7 +3,7 @@ whose parameter names are the checkpoint's (after the family's mapping).
 
 The same API as Qwen25VL, plus DeepStack: `encode_images` returns per image
 [tokens, (1 + L) * hidden] (main embedding, then L levels), `split_features`
-takes one apart, and `forward` takes the levels as `deepstack` [T, L, H]
+takes one apart, and `forward` takes the levels as `side` [T, L, H]
 aligned with the token stream, zeros where there is no image token.
 """
 
@@ -14,16 +14,18 @@ from torch import nn
 
 from pipeline.models.attention import AttentionBackend
 from pipeline.models.qwen3_vl import positions as mrope
-from pipeline.models.qwen3_vl.config import Qwen3VLConfig
+from pipeline.models.qwen3_vl.config import Qwen3VLConfig, model_spec
 from pipeline.models.qwen3_vl.text import TextModel
 from pipeline.models.qwen3_vl.vision import VisionTower
 from pipeline.models.qwen3_vl.vision_layout import Grid
+from pipeline.models.spec import ModelSpec
 
 
 class Qwen3VL(nn.Module):
     def __init__(self, cfg: Qwen3VLConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.spec: ModelSpec = model_spec(cfg)
         self.visual = VisionTower(cfg.vision)
         self.model = TextModel(cfg.text)
         if not cfg.text.tie_word_embeddings:
@@ -65,12 +67,13 @@ class Qwen3VL(nn.Module):
         return self.model.embed_tokens(token_ids)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-                deepstack: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states [T, hidden] for a flat stream of T tokens."""
-        if deepstack is not None and deepstack.shape != (embeds.shape[0], self.deepstack_levels, embeds.shape[1]):
-            raise ValueError(f"deepstack of shape {tuple(deepstack.shape)}, expected "
+                side: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] for a flat stream of T tokens;
+        `side` holds the DeepStack levels [T, L, H] (spec.side_levels)."""
+        if side is not None and side.shape != (embeds.shape[0], self.deepstack_levels, embeds.shape[1]):
+            raise ValueError(f"deepstack levels of shape {tuple(side.shape)}, expected "
                              f"{(embeds.shape[0], self.deepstack_levels, embeds.shape[1])}")
-        return self.model(embeds, positions, attn, deepstack)
+        return self.model(embeds, positions, attn, side)
 
     def prompt_positions(self, num_tokens: int, image_spans: list[tuple[int, int]],
                          grids: list[Grid]) -> tuple[torch.Tensor, int]:

@@ -110,6 +110,11 @@ class VisionTower(nn.Module):
         """Width of each image token's output: main embedding plus every level."""
         return (1 + len(self.deepstack_merger_list)) * self.cfg.out_hidden_size
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its inputs are cast to."""
+        return self.patch_embed.proj.weight.dtype
+
     def tokens_per_image(self, grid: Grid) -> int:
         t, h, w = grid
         return t * h * w // self.unit
