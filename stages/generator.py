@@ -27,7 +27,7 @@ from pipeline.arg_parser import OneLineParser, at_least_one
 from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.kv_budget import (
-    GIB, DeviceMemory, LanguageShape, activation_reserve, auto_kv_cache_bytes, forward_peak_bytes)
+    GIB, DeviceMemory, LanguageShape, activation_reserve, auto_kv_cache_bytes, embedding_bytes, forward_peak_bytes)
 from pipeline.generator.internal import AskerRestarted, prepare
 from pipeline.generator.service import GeneratorService
 from pipeline.incarnations import Incarnations
@@ -149,7 +149,10 @@ def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: tor
     if args.mode == "aggregated":
         patches = args.local_encode_tokens * vision.patches_per_token
         vision_bytes = forward_peak_bytes(patches, vision.hidden_size, vision.intermediate_size, dtype_bytes)
-    reserve = activation_reserve(shape, args.max_num_batched_tokens, args.max_num_seqs, vision_bytes)
+    spec = model.spec
+    embeddings = embedding_bytes(args.encoder_cache_tokens, spec.embedding_width, lang.hidden_size,
+                                 spec.side_levels, args.max_num_batched_tokens, dtype_bytes)
+    reserve = activation_reserve(shape, args.max_num_batched_tokens, args.max_num_seqs, vision_bytes, embeddings)
     # Loading leaves freed staging buffers in torch's cache: hand them back,
     # so that what the allocator holds is the weights and `free` is true.
     torch.cuda.empty_cache()
@@ -159,7 +162,7 @@ def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: tor
                                    args.max_num_batched_tokens, args.block_size)
     return kv_bytes, (f"--kv-cache-mib auto: {args.gpu_memory_utilization:g} of {total / GIB:.1f} GiB, "
                       f"{free / GIB:.1f} GiB free; weights {memory.held / GIB:.1f} GiB, "
-                      f"{reserve / GIB:.1f} GiB kept for activations and CUDA graphs")
+                      f"{reserve / GIB:.1f} GiB kept for activations, CUDA graphs and image embeddings")
 
 
 def image_decoder(backend: str, device, model_dir: Path):

@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.engine.kv_budget import (
     CUDA_CONTEXT_BYTES, GIB, MIN_RESERVE_BYTES, DeviceMemory, LanguageShape, activation_reserve,
-    auto_kv_cache_bytes, forward_peak_bytes)
+    auto_kv_cache_bytes, embedding_bytes, forward_peak_bytes)
 
 # Qwen2.5-VL-3B's language model in bfloat16.
 QWEN_3B = LanguageShape(num_layers=36, kv_heads=2, head_dim=128, hidden_size=2048, intermediate_size=11008,
@@ -76,3 +76,17 @@ def test_too_small_for_one_full_step_says_which_numbers_and_flags():
 def test_utilization_outside_zero_to_one_is_refused(utilization):
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
         size(h200(), utilization=utilization)
+
+
+def test_wide_embeddings_count_their_real_bytes_in_the_reserve():
+    # Qwen3-VL-4B: 2560 wide, three DeepStack levels, so a token's encoder
+    # row is 4 x 2560 bf16 (20 KiB); 65536 cached tokens are 1.25 GiB, four
+    # times what the same budget costs at the hidden size alone.
+    wide = embedding_bytes(65536, 4 * 2560, 2560, 3, TOKENS, 2)
+    narrow = embedding_bytes(65536, 2560, 2560, 0, TOKENS, 2)
+    assert narrow == 65536 * 2560 * 2
+    assert wide == 4 * narrow + 2 * TOKENS * 3 * 2560 * 2
+    base = activation_reserve(QWEN_3B, TOKENS, SEQS)
+    with_cache = activation_reserve(QWEN_3B, TOKENS, SEQS, embedding_bytes=wide)
+    assert with_cache > base and with_cache >= wide
+    assert size(h200(), reserve=with_cache) < size(h200(), reserve=base)

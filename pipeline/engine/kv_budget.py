@@ -67,11 +67,12 @@ def forward_peak_bytes(tokens: int, hidden_size: int, intermediate_size: int, dt
 
 
 def activation_reserve(text: LanguageShape, max_num_batched_tokens: int, max_num_seqs: int,
-                       vision_forward_bytes: int = 0) -> int:
+                       vision_forward_bytes: int = 0, embedding_bytes: int = 0) -> int:
     """Bytes to leave free beside the KV cache: a mixed step's peak and the
     CUDA graphs captured after the cache is allocated. `vision_forward_bytes`:
     the peak of a vision forward that runs in the same process (aggregated
-    mode), from forward_peak_bytes."""
+    mode), from forward_peak_bytes. `embedding_bytes`: image embeddings held
+    beside the cache (embedding_bytes() below)."""
     # A full step's activations count twice: in the allocator's cache (eager
     # steps, each graph's warm-up run) and in the mixed graphs' private pool,
     # which keeps its peak. The decode graphs' pool holds a step of at most
@@ -79,7 +80,7 @@ def activation_reserve(text: LanguageShape, max_num_batched_tokens: int, max_num
     # (eager forwards and the vision graphs' pool).
     step_tokens = 2 * max_num_batched_tokens + max_num_seqs
     activations = forward_peak_bytes(step_tokens, text.hidden_size, text.intermediate_size, text.dtype_bytes)
-    activations += 2 * vision_forward_bytes
+    activations += 2 * vision_forward_bytes + embedding_bytes
     # Logits are vocab wide but only for the rows that sample, at most one
     # per sequence: the eager step's, its float32 copy in the sampler, and
     # one set per captured graph, each kept alive as that graph's output.
@@ -89,6 +90,17 @@ def activation_reserve(text: LanguageShape, max_num_batched_tokens: int, max_num
     graph_rows = max_num_seqs * (_mixed_buckets(max_num_batched_tokens) + 2 * _decode_length_buckets(text))
     logits = text.vocab_size * (max_num_seqs * (text.dtype_bytes + 4) + graph_rows * text.dtype_bytes)
     return max(MIN_RESERVE_BYTES, activations + logits)
+
+
+def embedding_bytes(encoder_cache_tokens: int, embedding_width: int, hidden_size: int, side_levels: int,
+                    max_num_batched_tokens: int, dtype_bytes: int) -> int:
+    """Image embeddings a generator holds beside its KV cache, at their real
+    width (a wide encoder output is several hidden sizes a token): the
+    encoder cache full to its token budget, and a step's side levels twice
+    (the eager step's tensor and the mixed graphs' static buffer)."""
+    cache = encoder_cache_tokens * embedding_width
+    side = 2 * max_num_batched_tokens * side_levels * hidden_size
+    return (cache + side) * dtype_bytes
 
 
 def auto_kv_cache_bytes(memory: DeviceMemory, utilization: float, reserve: int, kv_bytes_per_token: int,
