@@ -1,6 +1,8 @@
 """Tiny random Qwen3-VL checkpoints written by the reference implementation
 (transformers' own save_pretrained), its image processor, and prompts of
-text and image spans, for the Qwen3-VL oracle tests.
+text and image spans, for the Qwen3-VL oracle tests; and a complete,
+serving-ready folder (tokenizer, chat template, processor config) with the
+reference processor that reads it.
 
 Imports transformers, so it lives with the tests, never on the serving path.
 """
@@ -10,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from pipeline.models.tiny_tokenizer import QWEN3_VL_CHAT_TEMPLATE, write_tiny_tokenizer
 
 VOCAB = 512
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 500, 501, 502, 503
@@ -36,30 +40,39 @@ SHAPES = {
 }
 
 
-def reference_config(shape: dict):
+# Token ids of the oracle checkpoints: no tokenizer, so any ids below VOCAB do.
+ORACLE_TOKENS = dict(vocab_size=VOCAB, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+                     vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+
+
+def reference_config(shape: dict, tokens: dict | None = None, text_tokens: dict | None = None):
+    """tokens: vocab_size and the four vision token ids (ORACLE_TOKENS by
+    default); text_tokens: bos/eos/pad ids for the language model's config."""
     from transformers import Qwen3VLConfig
 
-    text = dict(shape["text"])
+    tokens = dict(ORACLE_TOKENS if tokens is None else tokens)
+    vocab_size = tokens.pop("vocab_size")
+    text = dict(shape["text"], **(text_tokens or {}))
     section = text.pop("mrope_section")
     return Qwen3VLConfig(
         text_config=dict(
-            text, vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=shape["tie"],
+            text, vocab_size=vocab_size, max_position_embeddings=4096,
+            tie_word_embeddings=shape["tie"],
             rope_parameters={"rope_type": "default", "mrope_section": section, "mrope_interleaved": True,
                              "rope_theta": 10000.0}),
         vision_config=dict(shape["vision"], out_hidden_size=shape["text"]["hidden_size"], patch_size=16,
                            spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
-        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
-        tie_word_embeddings=shape["tie"])
+        tie_word_embeddings=shape["tie"], **tokens)
 
 
-def write_checkpoint(out_dir: Path, shape: dict, seed: int = 1234) -> Path:
+def write_checkpoint(out_dir: Path, shape: dict, seed: int = 1234, config=None) -> Path:
     """Every parameter drawn afresh (norm weights and biases too: the
     reference's init leaves those at 1 and 0, which would hide a swapped
-    or skipped norm), then saved by the reference."""
+    or skipped norm), then saved by the reference. `config`: a
+    reference_config other than the shape's oracle one."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    model = Qwen3VLForConditionalGeneration(reference_config(shape))
+    model = Qwen3VLForConditionalGeneration(reference_config(shape) if config is None else config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -104,3 +117,69 @@ def prompt_ids(grids: list[tuple[int, int, int]], seed: int = 0) -> tuple[list[i
         spans.append((len(ids), t * h * w // 4))
         ids += [IMAGE_TOKEN] * spans[-1][1] + [VISION_END] + text(3 + i)
     return ids + text(4), spans
+
+
+# ---------------------------------------------------------------- a serving-ready folder
+
+# The image processor settings of the published Qwen3-VL-Instruct
+# checkpoints' preprocessor_config.json (transformers has no Qwen3-VL image
+# processor class of its own: the checkpoints configure Qwen2-VL's).
+PUBLISHED_IMAGE_PROCESSOR = dict(
+    patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    size={"shortest_edge": 65536, "longest_edge": 16777216})
+
+
+def published_image_processor(**overrides):
+    """The reference's PIL image processor configured as a Qwen3-VL checkpoint configures it."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(**{**PUBLISHED_IMAGE_PROCESSOR, **overrides})
+
+
+def write_serving_checkpoint(out_dir: Path, shape: str = "taps01", seed: int = 1234) -> Path:
+    """A complete Qwen3-VL folder our stack and the reference both load:
+    weights and config.json by the reference's save_pretrained (float32),
+    the tiny tokenizer's files with its real special-token ids in the
+    config, a Qwen3-VL-style chat template, generation_config.json, and
+    preprocessor_config.json saved by the reference image processor."""
+    out_dir = Path(out_dir)
+    special = write_tiny_tokenizer(out_dir)
+    generation = (out_dir / "generation_config.json").read_text()
+    tokens = dict(vocab_size=special["vocab_size"], image_token_id=special["<|image_pad|>"],
+                  video_token_id=special["<|video_pad|>"], vision_start_token_id=special["<|vision_start|>"],
+                  vision_end_token_id=special["<|vision_end|>"])
+    text_tokens = dict(bos_token_id=special["<|endoftext|>"], eos_token_id=special["<|im_end|>"],
+                       pad_token_id=special["<|endoftext|>"])
+    write_checkpoint(out_dir, SHAPES[shape], seed, reference_config(SHAPES[shape], tokens, text_tokens))
+    # The model's save_pretrained wrote a generation_config.json of its own;
+    # the checkpoint's is the tokenizer's (both end-of-turn ids).
+    (out_dir / "generation_config.json").write_text(generation)
+    (out_dir / "chat_template.jinja").write_text(QWEN3_VL_CHAT_TEMPLATE, encoding="utf-8")
+    published_image_processor().save_pretrained(out_dir)
+    return out_dir
+
+
+def reference_processor(model_dir: Path):
+    """transformers' Qwen3VLProcessor over the folder's tokenizer, template
+    and image processor (the PIL one).
+
+    AutoProcessor cannot build it here: the processor needs a video
+    processor, the only Qwen3-VL one (Qwen3VLVideoProcessor) needs
+    torchvision, which is not installed, and ProcessorMixin's type check of
+    that argument fails too (BaseVideoProcessor is a torchvision-gated
+    placeholder). So the real class is built directly with no video
+    processor, skipping only that one check; images and text go through the
+    reference's own code.
+    """
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLProcessor
+
+    class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    image_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    return ImageOnlyQwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                     video_processor=None, chat_template=tokenizer.chat_template)

@@ -3,10 +3,10 @@
 The reference rotates the vision tower's q and k in float32 whatever the
 model dtype: a cast up, a rotate-half (two slices, a negation, a cat), two
 multiplies and an add over [tokens, 2, heads, head_dim], a cast down and a
-copy back into qkv. On an H200 those passes were about a quarter of a
-Qwen2.5-VL-3B tower forward (docs/benchmarks.md, vision profile). Here one
-program per token loads its q and k heads as two halves, rotates them in
-float32 and stores them back in the model dtype.
+copy back into qkv. On an H200 those passes were about a quarter of the
+3B checkpoint's tower forward (docs/benchmarks.md, vision profile). Here
+one program per token loads its q and k heads as two halves, rotates them
+in float32 and stores them back in the model dtype.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The reference backend: Pillow decode and resize on the CPU, bit-exact with
-Hugging Face's `Qwen2VLImageProcessorPil`.
+the smart-resize patch image processor of these checkpoints (transformers'
+PIL image processor for them).
 
 A batch is spread over a small thread pool: Pillow releases the GIL while it
 decodes and resizes, and numpy's gather releases it too (batch of 16 640x640

@@ -1,6 +1,7 @@
 """A model folder without weights for a named shape: config.json,
-preprocessor_config.json and the synthetic tokenizer, so the proxy and the
-stages load a random-weight shape exactly like a checkpoint folder.
+preprocessor_config.json and the synthetic tokenizer with the family's chat
+template, so the proxy and the stages load a random-weight shape exactly
+like a checkpoint folder.
 
 `python -m pipeline.models.shape_folder SHAPE [OUT_DIR]` writes one (default:
 the cache folder, `shape_model_dir`).
@@ -14,28 +15,63 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.models.shape_configs import QWEN25_VL_SPECIAL_IDS, shape_config
+from pipeline.models.shape_configs import QWEN3_VL_SPECIAL_IDS, QWEN25_VL_SPECIAL_IDS, shape_config
 from pipeline.models.shape_tokenizer import write_shape_tokenizer
 from pipeline.models.tiny import preprocessor_config
+from pipeline.models.tiny_tokenizer import QWEN2_VL_CHAT_TEMPLATE, QWEN3_VL_CHAT_TEMPLATE
 
 # Bump when the folder's content changes, so cached copies are rebuilt.
 SHAPE_FOLDER_VERSION = 1
 # Qwen2.5-VL's released preprocessor bounds (the tiny model caps max_pixels lower).
 MIN_PIXELS, MAX_PIXELS = 3136, 12845056
-# Fields whose values the folder and the random weights must agree on.
+# preprocessor_config.json of the Qwen3-VL-Instruct checkpoints: 16-pixel
+# patches, mean and std 0.5, and an area between 256x256 and 4096x4096.
+QWEN3_VL_PREPROCESSOR = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+# Fields whose values the folder and the random weights must agree on
+# (text_config holds the vocabulary and width where a family nests them).
 _MATCHED_FIELDS = ("vocab_size", "hidden_size", "image_token_id", "video_token_id", "eos_token_id",
-                   "vision_start_token_id", "vision_end_token_id", "vision_config")
+                   "vision_start_token_id", "vision_end_token_id", "vision_config", "text_config")
+
+
+@dataclass(frozen=True)
+class FamilyFiles:
+    """What a family's checkpoint folder holds besides config.json."""
+
+    special_ids: dict[str, int]
+    chat_template: str
+    preprocessor: dict
+
+
+def family_files(config: dict) -> FamilyFiles:
+    """The tokenizer, template and processor settings for a shape's model_type."""
+    model_type = config.get("model_type")
+    if model_type == "qwen2_5_vl":
+        processor = {**preprocessor_config(), "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
+        return FamilyFiles(QWEN25_VL_SPECIAL_IDS, QWEN2_VL_CHAT_TEMPLATE, processor)
+    if model_type == "qwen3_vl":
+        return FamilyFiles(QWEN3_VL_SPECIAL_IDS, QWEN3_VL_CHAT_TEMPLATE, dict(QWEN3_VL_PREPROCESSOR))
+    raise ValueError(f"no synthetic checkpoint files for model_type {model_type!r}")
+
+
+def _vocab_size(config: dict) -> int:
+    return config.get("vocab_size") or config["text_config"]["vocab_size"]
 
 
 def write_shape_folder(shape: str, out_dir: Path) -> Path:
     config = shape_config(shape)
+    files = family_files(config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_shape_tokenizer(out_dir, QWEN25_VL_SPECIAL_IDS, config["vocab_size"])
-    processor = {**preprocessor_config(), "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    write_shape_tokenizer(out_dir, files.special_ids, _vocab_size(config), chat_template=files.chat_template)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(files.preprocessor, indent=2) + "\n")
     # Last: its presence marks a complete folder.
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir

@@ -63,16 +63,17 @@ def build_tokenizer(special_ids: dict[str, int], vocab_size: int) -> Tokenizer:
 
 
 def write_shape_tokenizer(out_dir: Path, special_ids: dict[str, int], vocab_size: int,
-                          eos_token: str = "<|im_end|>", pad_token: str = "<|endoftext|>") -> None:
+                          eos_token: str = "<|im_end|>", pad_token: str = "<|endoftext|>",
+                          chat_template: str = QWEN2_VL_CHAT_TEMPLATE) -> None:
     """tokenizer.json, tokenizer_config.json, chat_template.jinja and
-    generation_config.json in the layout of a Qwen2.5-VL-Instruct checkpoint."""
+    generation_config.json in the layout of a Qwen-VL-Instruct checkpoint."""
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(special_ids, vocab_size)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     config = _tokenizer_config(special_ids)
     config.update(eos_token=eos_token, pad_token=pad_token)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out_dir / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE, encoding="utf-8")
+    (out_dir / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
     eos, pad = special_ids[eos_token], special_ids[pad_token]
     generation = {"bos_token_id": pad, "eos_token_id": [eos, pad], "pad_token_id": pad}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

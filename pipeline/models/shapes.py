@@ -41,12 +41,23 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int
     for name, param in model.named_parameters():
         if param.is_meta:
             continue
-        if name.endswith("norm.weight") or "norm1" in name or "norm2" in name or "ln_q" in name:
-            param.fill_(1.0)
-        else:
+        fixed = _norm_init(name)
+        if fixed is None:
             param.normal_(0.0, 0.02, generator=gen)
+        else:
+            param.fill_(fixed)
     model.eval().requires_grad_(False)
     return LoadedModel(family, config, model, model_dir=None, dtype=dtype, device=device)
+
+
+def _norm_init(name: str) -> float | None:
+    """A norm's weight starts at 1 and its bias (LayerNorms have one) at 0, as
+    in training; None for every other parameter."""
+    module, _, kind = name.rpartition(".")
+    module = module.rpartition(".")[2]
+    if "norm" not in module and module != "ln_q":
+        return None
+    return 1.0 if kind == "weight" else 0.0
 
 
 def _materialize_without_vision(family: ModelFamily, config, dtype: torch.dtype,

@@ -4,6 +4,7 @@ The files mirror a real Qwen2.5-VL-Instruct checkpoint (tokenizer.json,
 tokenizer_config.json, chat_template.jinja, generation_config.json) so the
 whole text path (template, tokenizer, placeholder expansion, detokenizer) runs
 against the same formats as production, only with a vocabulary under 512 ids.
+Qwen3-VL uses the same tokenizer; its chat template is here too.
 """
 
 from __future__ import annotations
@@ -95,6 +96,71 @@ QWEN2_VL_CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) -%}
         {%- endfor -%}
     {%- endif -%}
     {{- '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""
+
+
+# The Qwen3-VL-Instruct chat format, written for the synthetic folders and
+# tests in the trimming style of the template above. What it carries over
+# from the published Qwen3-VL template, as differences from the Qwen2.5-VL one:
+# - no default system prompt: a system turn is written only when the first
+#   message is a system message, and system messages elsewhere are dropped;
+# - system content may be a list of parts, of which only the text is written;
+# - an assistant turn writes only the text of its parts (no image placeholder).
+# Like the template above it leaves out tools, tool calls and tool turns,
+# which the published template renders and these checkpoints never need.
+QWEN3_VL_CHAT_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' -%}
+    {{- '<|im_start|>system\n' -}}
+    {%- if messages[0]['content'] is string -%}
+        {{- messages[0]['content'] -}}
+    {%- else -%}
+        {%- for part in messages[0]['content'] if 'text' in part -%}
+            {{- part['text'] -}}
+        {%- endfor -%}
+    {%- endif -%}
+    {{- '<|im_end|>\n' -}}
+{%- endif -%}
+{%- set image_count = namespace(value=0) -%}
+{%- set video_count = namespace(value=0) -%}
+{%- for message in messages -%}
+    {%- if message['role'] == 'user' -%}
+        {{- '<|im_start|>user\n' -}}
+        {%- if message['content'] is string -%}
+            {{- message['content'] -}}
+        {%- else -%}
+            {%- for content in message['content'] -%}
+                {%- if content['type'] == 'image' or 'image' in content or 'image_url' in content -%}
+                    {%- set image_count.value = image_count.value + 1 -%}
+                    {%- if add_vision_id -%}
+                        {{- 'Picture ' + image_count.value|string + ': ' -}}
+                    {%- endif -%}
+                    {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+                {%- elif content['type'] == 'video' or 'video' in content -%}
+                    {%- set video_count.value = video_count.value + 1 -%}
+                    {%- if add_vision_id -%}
+                        {{- 'Video ' + video_count.value|string + ': ' -}}
+                    {%- endif -%}
+                    {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+                {%- elif 'text' in content -%}
+                    {{- content['text'] -}}
+                {%- endif -%}
+            {%- endfor -%}
+        {%- endif -%}
+        {{- '<|im_end|>\n' -}}
+    {%- elif message['role'] == 'assistant' -%}
+        {{- '<|im_start|>assistant\n' -}}
+        {%- if message['content'] is string -%}
+            {{- message['content'] -}}
+        {%- else -%}
+            {%- for part in message['content'] if 'text' in part -%}
+                {{- part['text'] -}}
+            {%- endfor -%}
+        {%- endif -%}
+        {{- '<|im_end|>\n' -}}
+    {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
     {{- '<|im_start|>assistant\n' -}}

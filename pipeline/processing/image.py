@@ -1,179 +1,39 @@
-"""Qwen2-VL / Qwen2.5-VL image preprocessing: bytes -> RGB -> resized, normalised patches.
+"""Smart-resize patch image preprocessing: bytes -> RGB -> resized, normalised patches.
 
-Bit-exact with the Pillow backend of the reference Hugging Face processor
-(`Qwen2VLImageProcessorPil`): the same Pillow bicubic resize, the same float64
-rescale then float32 normalise, the same patch order. The grid and the number
-of visual tokens depend only on the source height and width, so a front end
-can count tokens from the image header without decoding any pixels.
+Bit-exact with the reference: the smart-resize patch image processor of these
+checkpoints (transformers' PIL image processor for them), with the same
+Pillow bicubic resize, the same float64 rescale then float32 normalise and
+the same patch order. The grid and the number of visual tokens depend only
+on the source height and width, so a front end can count tokens from the
+image header without decoding any pixels. The settings are image_config.py's.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import math
 import numbers
 import struct
 import zlib
-from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image, ImageFile, UnidentifiedImageError
 
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-PREPROCESSOR_FILE = "preprocessor_config.json"
+# Re-exported: callers import the settings with the functions that use them.
+from pipeline.processing.image_config import CHANNELS, ImageProcessorConfig
+
+__all__ = ["CHANNELS", "ImageDecodeError", "ImageProcessorConfig", "check_source_size", "convert_to_rgb",
+           "image_grid_thw", "num_visual_tokens", "open_image", "preprocess_images", "read_image_size",
+           "resized_size", "smart_resize"]
+
 MAX_ASPECT_RATIO = 200
-CHANNELS = 3
-# Bumped whenever the pixels this module produces change for the same settings,
-# so content hashes salted with settings_key() stop matching stale entries.
-ALGORITHM_VERSION = "qwen2vl-image/v1"
 # Formats a request may carry. Pillow can read more, but some plugins are a
 # large attack surface (EPS even runs Ghostscript), so the rest are refused.
 # JPEG's opener also yields multi-picture (MPO) files, as phone cameras write.
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
-# Steps the reference lets a checkpoint switch off or change; this pipeline
-# implements only the Qwen defaults (resample 3 is Pillow's BICUBIC), so any
-# other value is refused rather than silently ignored.
-FIXED_STEPS = (
-    ("do_resize", True), ("do_rescale", True), ("do_normalize", True),
-    ("do_convert_rgb", True), ("resample", 3),
-)
 # What Pillow raises from a plugin or decoder fed corrupt data.
 DECODER_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error)
-
-
-# ---------------------------------------------------------------- config
-
-def _check_int(name: str, value: Any, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
-
-
-def _check_number(name: str, value: Any, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return float(value)
-
-
-def _channel_values(name: str, value: Any, positive: bool) -> tuple[float, ...]:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = [value] * CHANNELS  # the reference also accepts one number for all channels
-    if not isinstance(value, (list, tuple)) or len(value) != CHANNELS:
-        raise ValueError(f"{name} must be a list of {CHANNELS} numbers (one per RGB channel), got {value!r}")
-    return tuple(_check_number(f"{name}[{i}]", v, positive) for i, v in enumerate(value))
-
-
-def _pillow_pixel_limit() -> int | None:
-    """Pillow refuses, inside Image.open, images over twice its MAX_IMAGE_PIXELS;
-    a larger max_image_pixels could never take effect."""
-    return None if Image.MAX_IMAGE_PIXELS is None else 2 * int(Image.MAX_IMAGE_PIXELS)
-
-
-@dataclass(frozen=True)
-class ImageProcessorConfig:
-    """Settings of the Qwen2-VL image processor; validated on construction.
-
-    min_pixels/max_pixels bound the resized image's area; max_image_pixels
-    bounds the decoded source image (a decompression-bomb guard, checked from
-    the header before any pixel is decoded).
-    """
-
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280
-    image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
-    image_std: tuple[float, ...] = OPENAI_CLIP_STD
-    rescale_factor: float = 1 / 255
-    max_image_pixels: int = 64_000_000
-
-    def __post_init__(self) -> None:
-        _check_int("patch_size", self.patch_size, 1, 1024)
-        _check_int("temporal_patch_size", self.temporal_patch_size, 1, 64)
-        _check_int("merge_size", self.merge_size, 1, 64)
-        _check_int("min_pixels", self.min_pixels, 1, 2**40)
-        # smart_resize never goes below factor x factor, so a smaller cap is unreachable.
-        _check_int("max_pixels", self.max_pixels, self.factor**2, 2**40)
-        if self.min_pixels > self.max_pixels:
-            raise ValueError(f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
-        object.__setattr__(self, "image_mean", _channel_values("image_mean", self.image_mean, False))
-        object.__setattr__(self, "image_std", _channel_values("image_std", self.image_std, True))
-        object.__setattr__(self, "rescale_factor",
-                           _check_number("rescale_factor", self.rescale_factor, True))
-        limit = _pillow_pixel_limit()
-        _check_int("max_image_pixels", self.max_image_pixels, 1, limit if limit is not None else 2**62)
-
-    @property
-    def factor(self) -> int:
-        """Resized sides are multiples of this: one merged token covers factor x factor pixels."""
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        """Length of one row of pixel_values."""
-        return CHANNELS * self.temporal_patch_size * self.patch_size * self.patch_size
-
-    def settings_key(self) -> str:
-        """A stable string of every setting, to salt content hashes of processed images."""
-        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)]
-        return ALGORITHM_VERSION + "|" + "|".join(parts)
-
-    @classmethod
-    def from_checkpoint(cls, model_dir: Path) -> ImageProcessorConfig:
-        """Read `preprocessor_config.json` from a checkpoint folder; defaults when it is absent.
-
-        Both size styles are accepted: legacy top-level `min_pixels`/`max_pixels`
-        and `size: {shortest_edge, longest_edge}`. As in the reference processor,
-        the legacy keys win when both are present.
-        """
-        path = Path(model_dir) / PREPROCESSOR_FILE
-        if not path.is_file():
-            return cls()
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read {path}: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path} is not a JSON object")
-        for key, expected in FIXED_STEPS:
-            if key in raw and raw[key] != expected:
-                raise ValueError(f"{path}: {key}={raw[key]!r} is not supported; only {expected!r} is")
-        kwargs: dict[str, Any] = _size_from_json(raw, path)
-        for name in ("patch_size", "temporal_patch_size", "merge_size",
-                     "image_mean", "image_std", "rescale_factor"):
-            if raw.get(name) is not None:
-                kwargs[name] = raw[name]
-        return cls(**kwargs)
-
-
-def _size_from_json(raw: dict[str, Any], path: Path) -> dict[str, Any]:
-    """min_pixels/max_pixels from either key style; empty when neither is given."""
-    out: dict[str, Any] = {}
-    size = raw.get("size")
-    if size is not None:
-        if not isinstance(size, dict):
-            raise ValueError(f"{path}: size must be an object with shortest_edge and longest_edge, "
-                             f"got {size!r}")
-        if "shortest_edge" in size:
-            out["min_pixels"] = size["shortest_edge"]
-        if "longest_edge" in size:
-            out["max_pixels"] = size["longest_edge"]
-    for legacy in ("min_pixels", "max_pixels"):
-        if raw.get(legacy) is not None:
-            out[legacy] = raw[legacy]
-    if size is not None and len(out) < 2:
-        raise ValueError(f"{path}: size must contain shortest_edge and longest_edge "
-                         f"(or give min_pixels and max_pixels), got {size!r}")
-    return out
 
 
 # ---------------------------------------------------------------- sizes

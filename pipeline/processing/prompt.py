@@ -1,12 +1,12 @@
 """Chat messages -> prompt token ids, with each image's placeholder expanded.
 
-The reference (the Qwen2.5-VL processor) renders the template, replaces the
-i-th `<|image_pad|>` string with N_i copies, then tokenizes. We tokenize first
-and expand the i-th placeholder id instead: the placeholder is a special
-(added) token, which the tokenizer splits out before any normalization or BPE,
-so N copies of the string become exactly N copies of the id and the text
-around it tokenizes the same either way. This lets the token count of each
-image be decided after the (cacheable) text is tokenized.
+The reference (transformers' processor of these checkpoints) renders the
+template, replaces the i-th `<|image_pad|>` string with N_i copies, then
+tokenizes. We tokenize first and expand the i-th placeholder id instead: the
+placeholder is a special (added) token, which the tokenizer splits out before
+any normalization or BPE, so N copies of the string become exactly N copies
+of the id and the text around it tokenizes the same either way. This lets the
+token count of each image be decided after the (cacheable) text is tokenized.
 """
 
 from __future__ import annotations

@@ -118,8 +118,9 @@ def _eos_ids_from_generation_config(model_dir: Path) -> list[int]:
 class Tokenizer:
     """Encodes and decodes text for one checkpoint; immutable after loading.
 
-    `encode` adds no special tokens of its own (Qwen adds none), and special-token
-    strings inside the text become their single ids, as in transformers.
+    `encode` adds no special tokens of its own (these checkpoints' tokenizers
+    add no BOS or EOS), and special-token strings inside the text become
+    their single ids, as in transformers.
     """
 
     def __init__(
