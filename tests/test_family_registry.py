@@ -26,6 +26,9 @@ class Zz(ModelFamily):
     def build(self, config, dtype):
         raise NotImplementedError
 
+    def spec(self, config):
+        raise NotImplementedError
+
     def canonical_name(self, checkpoint_name, config):
         return checkpoint_name
 
