@@ -283,3 +283,19 @@ def test_fused_text_path_decodes_the_same(checkpoint_dirs, ours):
     grids = grids_of(grid_thw)
     plain = our_greedy(ours["taps123"], ids, spans, pixels, grids, 8)
     assert our_greedy(fused, ids, spans, pixels, grids, 8, fused=True) == plain
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_the_fused_rotary_tower_equals_the_plain_one(name, checkpoint_dirs):
+    # fuse() hands the rotary to the ops' kernel (Triton on a GPU); with
+    # the plain ops it must give the plain tower's output exactly.
+    import copy
+
+    model = load_model(checkpoint_dirs[name]).model
+    fused = copy.deepcopy(model.visual)
+    fused.fuse(PlainOps())
+    pixels, grid_thw = helpers.pixels_for(images_for("two"))
+    with torch.no_grad():
+        want = torch.cat(model.visual(pixels, grids_of(grid_thw)))
+        got = torch.cat(fused(pixels, grids_of(grid_thw)))
+    assert fused.ops is not None and torch.equal(got, want)
