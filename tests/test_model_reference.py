@@ -135,3 +135,30 @@ def test_batched_decode_positions_equal_one_request_at_a_time():
     one_by_one = torch.cat([positions.decode_positions(i, 1, d) for i, d in zip(indices, deltas)], dim=1)
     assert torch.equal(positions.decode_step_positions(indices, deltas), one_by_one)
     assert one_by_one[:, 1].tolist() == [90, 90, 90]
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+@pytest.mark.parametrize("seconds", [0.5, 2 / 24, 2 / 29.97, 1.0])
+def test_video_positions_equal_get_rope_index(name, ours, references, seconds):
+    # An image, then a video of 4 temporal patches: its time axis steps by
+    # tokens_per_second * seconds per temporal patch, truncated as the
+    # reference truncates it; text after it resumes as after an image.
+    loaded, _ = ours[name]
+    ref = references[name]
+    cfg = loaded.config
+    grids = [(1, 4, 6), (4, 8, 12)]
+    ids, spans, kinds = [1, 2, 3], [], []
+    for (t, h, w), token, kind in zip(grids, (cfg.image_token_id, cfg.video_token_id), (1, 2)):
+        ids.append(cfg.vision_start_token_id)
+        spans.append((len(ids), t * h * w // 4))
+        ids += [token] * spans[-1][1] + [cfg.vision_end_token_id, 5, 6]
+        kinds.append(kind)
+    ids += [7, 8]
+    positions, delta = loaded.model.prompt_positions(len(ids), spans, grids, [None, seconds])
+    input_ids = torch.tensor([ids])
+    types = torch.zeros_like(input_ids)
+    for (start, length), kind in zip(spans, kinds):
+        types[0, start:start + length] = kind
+    ref_positions, ref_delta = ref.model.model.get_rope_index(
+        input_ids, types, torch.tensor([grids[0]]), torch.tensor([grids[1]]), torch.tensor([seconds]))
+    assert torch.equal(positions, ref_positions[:, 0]) and delta == int(ref_delta)

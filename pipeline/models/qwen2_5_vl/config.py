@@ -29,6 +29,7 @@ class VisionConfig:
     in_channels: int
     hidden_act: str
     rope_theta: float
+    tokens_per_second: float = 4.0  # time-axis positions per second of video (the reference's default)
 
     @property
     def head_dim(self) -> int:
@@ -109,6 +110,7 @@ def _parse_vision(v: dict[str, Any]) -> VisionConfig:
         in_channels=int_field(v, "in_channels", v.get("in_chans", 3)),
         hidden_act=str(v.get("hidden_act", "silu")),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
+        tokens_per_second=float(v.get("tokens_per_second", 4)),
     )
     check_divides("vision_config.hidden_size", cfg.hidden_size, "num_heads", cfg.num_heads)
     if cfg.head_dim % 4:

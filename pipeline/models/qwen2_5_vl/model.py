@@ -56,10 +56,14 @@ class Qwen25VL(nn.Module):
             raise ValueError("Qwen2.5-VL takes no side features")
         return self.model(embeds, positions, attn)
 
-    def prompt_positions(self, num_tokens: int, image_spans: list[tuple[int, int]],
-                         grids: list[Grid]) -> tuple[torch.Tensor, int]:
-        """M-RoPE positions [3, num_tokens] of a prompt and its decode delta."""
-        return mrope.prompt_positions(num_tokens, image_spans, grids, self.spatial_merge_size)
+    def prompt_positions(self, num_tokens: int, image_spans: list[tuple[int, int]], grids: list[Grid],
+                         seconds_per_grid: list[float | None] | None = None) -> tuple[torch.Tensor, int]:
+        """M-RoPE positions [3, num_tokens] of a prompt and its decode delta.
+        `seconds_per_grid`: per span, the seconds one temporal patch of a
+        video spans (None for an image)."""
+        intervals = None if seconds_per_grid is None else [
+            1.0 if s is None else self.cfg.vision.tokens_per_second * s for s in seconds_per_grid]
+        return mrope.prompt_positions(num_tokens, image_spans, grids, self.spatial_merge_size, intervals)
 
     def decode_positions(self, first_index: int, count: int, delta: int) -> torch.Tensor:
         return mrope.decode_positions(first_index, count, delta)
