@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.models.attention import ContiguousKVCache
-from pipeline.models.spec import ModelSpec, splice_rows
+from pipeline.models.spec import ModelSpec, span_rows, splice_rows
 from pipeline.processing.processor import MultimodalPrompt
 
 
@@ -25,14 +25,18 @@ class GenerationLimits:
 
 
 def splice_images(spec: ModelSpec, embeds: torch.Tensor, spans: list[tuple[int, int]],
-                  images: list[torch.Tensor]) -> torch.Tensor | None:
-    """Write each image's embeddings over its placeholder run, in place, and
-    return the prompt's side levels (None for a family without them). A
-    count that disagrees with the span is an error, never a silent fill."""
-    for (_, length), image in zip(spans, images, strict=True):
-        if image.shape[0] != length:
-            raise ValueError(f"image embedding has {image.shape[0]} tokens, its placeholder span {length}")
-    return splice_rows(spec, embeds, [(start, image) for (start, _), image in zip(spans, images)])
+                  grids: list[tuple[int, int, int]], items: list[torch.Tensor]) -> torch.Tensor | None:
+    """Write each item's embedding rows over its placeholder runs (one run,
+    or one per temporal patch of a video where the family splits them), in
+    place, and return the prompt's side levels (None for a family without
+    them). Rows that disagree with the runs are an error, never a silent fill."""
+    pieces = []
+    for (start, length), rows in zip(spans, span_rows(spec, grids, spans), strict=True):
+        embedding = items[rows.item]
+        if embedding.shape[0] != rows.item_tokens:
+            raise ValueError(f"an embedding of {embedding.shape[0]} tokens for an item of {rows.item_tokens}")
+        pieces.append((start, embedding[rows.offset:rows.offset + length]))
+    return splice_rows(spec, embeds, pieces)
 
 
 @torch.inference_mode()
@@ -47,7 +51,7 @@ def greedy_generate(model: torch.nn.Module, prompt: MultimodalPrompt,
     side = None
     if prompt.grids:
         images = model.encode_images(pixel_values.to(device), prompt.grids)
-        side = splice_images(model.spec, embeds, prompt.image_spans, images)
+        side = splice_images(model.spec, embeds, prompt.image_spans, prompt.grids, images)
     positions, delta = model.prompt_positions(len(prompt.token_ids), prompt.image_spans, prompt.grids)
     cache = ContiguousKVCache(lang.num_layers, len(prompt.token_ids) + limits.max_tokens,
                               lang.kv_heads, lang.head_dim, embeds.dtype, device)

@@ -229,9 +229,29 @@ def test_prompt_positions_equal_get_rope_index(name, key, ours, references):
     assert step[:, 1].tolist() == [len(ids) + 3 + delta] * 3
 
 
-def test_video_like_grids_are_refused(ours):
-    with pytest.raises(ValueError, match="t != 1"):
-        ours["taps01"].prompt_positions(20, [(2, 8)], [(2, 4, 4)])
+@pytest.mark.parametrize("name", SHAPES)
+def test_video_frame_positions_equal_get_rope_index(name, ours, references):
+    # An image, then a video of 3 temporal patches whose runs are separated
+    # by (timestamp) text: the reference splits the video's grid into one
+    # t = 1 grid per run; ours takes the video's grid whole.
+    model, ref = ours[name], references[name]
+    image, video = (1, 4, 6), (3, 6, 4)
+    ids, spans, types = [1, 2, helpers.VISION_START], [], []
+    spans.append((len(ids), 6))
+    ids += [helpers.IMAGE_TOKEN] * 6 + [helpers.VISION_END, 3]
+    for frame in range(3):
+        ids += [4 + frame, 5, helpers.VISION_START]
+        spans.append((len(ids), 6))
+        ids += [helpers.VIDEO_TOKEN] * 6 + [helpers.VISION_END]
+    ids += [6, 7]
+    positions, delta = model.prompt_positions(len(ids), spans, [image, video])
+    input_ids = torch.tensor([ids])
+    kinds = (input_ids == helpers.IMAGE_TOKEN).int() + 2 * (input_ids == helpers.VIDEO_TOKEN).int()
+    expected, expected_delta = ref.model.get_rope_index(input_ids, kinds, torch.tensor([image]),
+                                                        torch.tensor([video]))
+    assert torch.equal(positions, expected[:, 0]) and delta == int(expected_delta)
+    with pytest.raises(ValueError, match="image spans"):
+        model.prompt_positions(len(ids), spans[:2], [image, video])   # a run short of the video's 3
 
 
 @pytest.mark.parametrize("name", SHAPES)

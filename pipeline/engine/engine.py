@@ -21,6 +21,7 @@ from pipeline.engine.output import RequestOutput, TextState
 from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.engine.plan import FinishedRequest, SchedulerConfig
 from pipeline.engine.request import ImageSpan, Request, RequestStatus, SamplingParams
+from pipeline.models.spec import span_rows
 from pipeline.engine.runner import ModelRunner, PromptGeometry
 from pipeline.engine.sampler import SamplingRow, make_generator, sample
 from pipeline.engine.scheduler import Scheduler
@@ -143,7 +144,12 @@ class Engine:
         (pixel_values, grid), encoded here when the scheduler says so."""
         if len(image_keys) != len(prompt.image_spans):
             raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
-        spans = tuple(ImageSpan(start, length, key) for (start, length), key in zip(prompt.image_spans, image_keys))
+        rows = span_rows(self.model.spec, prompt.grids, prompt.image_spans)
+        spans = tuple(ImageSpan(start, length, key, r.offset, r.item_tokens)
+                      for (start, length), key, r in zip(prompt.image_spans, image_keys, rows))
+        items = {(r.item, key) for r, key in zip(rows, image_keys)}
+        if len(items) != len({r.item for r in rows}):
+            raise ValueError("the placeholder runs of one video carry different keys")
         request = Request(request_id, list(prompt.token_ids), spans, params,
                           tuple(self.tokenizer.eos_token_ids), self._arrivals)
         self._arrivals += 1

@@ -62,16 +62,27 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """Prompt positions [start, start + length) filled by the embedding of image `key`."""
+    """Prompt positions [start, start + length) filled by rows [offset,
+    offset + length) of the embedding of item `key` (an image, or a video
+    whose frames take runs of their own between timestamp text), which has
+    `item_tokens` rows in all (None: just this span's)."""
     start: int
     length: int
     key: str
+    offset: int = 0
+    item_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("ImageSpan.start", self.start, 0)
         _check_int("ImageSpan.length", self.length, 1)
+        _check_int("ImageSpan.offset", self.offset, 0)
         if not isinstance(self.key, str) or not self.key:
             raise ValueError(f"ImageSpan.key must be a non-empty str, got {self.key!r}")
+        if self.item_tokens is None:
+            object.__setattr__(self, "item_tokens", self.offset + self.length)
+        elif self.offset + self.length > self.item_tokens:
+            raise ValueError(f"ImageSpan rows [{self.offset}, {self.offset + self.length}) run past its item's "
+                             f"{self.item_tokens}")
 
     @property
     def end(self) -> int:

@@ -63,7 +63,7 @@ class ModelRunner:
             slices.append(SequenceSlice(offset, chunk.num_tokens, chunk.start, request.block_ids.view()))
             for span in chunk.image_spans_in_chunk:
                 lo, hi = max(chunk.start, span.start), min(chunk.end, span.end)
-                splices.append((offset + lo - chunk.start, span.key, lo - span.start, hi - lo))
+                splices.append((offset + lo - chunk.start, span.key, span.offset + lo - span.start, hi - lo))
             offset += chunk.num_tokens
         due = [c for c in plan.chunks if c.sample]
         rows = [s.offset + s.query_len - 1 for s, c in zip(slices, plan.chunks) if c.sample]

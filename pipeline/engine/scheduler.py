@@ -55,7 +55,7 @@ class _Draft:
 
     @property
     def encode_tokens(self) -> int:
-        return sum(s.length for s in self.encodes)
+        return sum(s.item_tokens for s in self.encodes)
 
 
 class Scheduler:
@@ -103,7 +103,7 @@ class Scheduler:
         differs from a placeholder run of a request that needs it. Call it
         between steps; the keys of a plan not yet updated are never evicted."""
         cache = self.encoder_cache
-        lengths = {s.length for rid in cache.users(key) for s in self._requests[rid].image_spans
+        lengths = {s.item_tokens for rid in cache.users(key) for s in self._requests[rid].image_spans
                    if s.key == key}
         if lengths - {num_tokens}:
             # A reused id for different content: never splice it silently.
@@ -206,7 +206,7 @@ class Scheduler:
 
     def _can_encode(self, request: Request, span: ImageSpan, draft: _Draft, budget: _Budget,
                     plan: StepPlan) -> bool:
-        total = draft.encode_tokens + span.length
+        total = draft.encode_tokens + span.item_tokens
         if not self.config.aggregated or total > budget.encode_tokens:
             return False
         if self.encoder_cache.fits(total):
@@ -228,9 +228,9 @@ class Scheduler:
             raise RuntimeError("encoder cache could not make the room the draft counted on")
         for span in draft.encodes:
             # Reserve the space now; the runner fills it before the forward.
-            if not self.encoder_cache.admit(span.key, span.length):
+            if not self.encoder_cache.admit(span.key, span.item_tokens):
                 raise RuntimeError(f"encoder cache refused {span.key} after the draft checked it fits")
-            budget.encode_tokens -= span.length
+            budget.encode_tokens -= span.item_tokens
             plan.encode_keys.append(span.key)
         start, n = request.num_computed_tokens, draft.num_tokens
         budget.tokens -= n
@@ -356,11 +356,11 @@ class Scheduler:
             raise ValueError(f"request {rid}: {longest} tokens need more KV blocks than the "
                              f"{self.config.num_blocks} the cache has")
         for span in request.image_spans:
-            if span.length > self.config.encoder_cache_tokens:
-                raise ValueError(f"request {rid}: an image of {span.length} tokens exceeds "
+            if span.item_tokens > self.config.encoder_cache_tokens:
+                raise ValueError(f"request {rid}: an image of {span.item_tokens} tokens exceeds "
                                  f"encoder_cache_tokens={self.config.encoder_cache_tokens}")
-            if self.config.aggregated and span.length > self.config.local_encode_tokens:
-                raise ValueError(f"request {rid}: an image of {span.length} tokens exceeds "
+            if self.config.aggregated and span.item_tokens > self.config.local_encode_tokens:
+                raise ValueError(f"request {rid}: an image of {span.item_tokens} tokens exceeds "
                                  f"local_encode_tokens={self.config.local_encode_tokens}")
 
 

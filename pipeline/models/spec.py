@@ -49,6 +49,9 @@ class ModelSpec:
     image_token_id: int
     eos_token_ids: tuple[int, ...]
     side_levels: int = 0
+    # A video's temporal patches each take a placeholder run of their own
+    # (with text, e.g. a timestamp, between them) instead of one run.
+    frame_spans: bool = False
 
     @property
     def embedding_width(self) -> int:
@@ -64,6 +67,32 @@ class ModelSpec:
         if not self.side_levels:
             return rows, None
         return rows[:, :hidden], rows[:, hidden:].unflatten(1, (self.side_levels, hidden))
+
+
+@dataclass(frozen=True)
+class SpanRows:
+    """Which item a placeholder run belongs to, and which rows of that
+    item's embedding fill it."""
+    item: int
+    offset: int
+    item_tokens: int
+
+
+def span_rows(spec: ModelSpec, grids: list[tuple[int, int, int]],
+              spans: list[tuple[int, int]]) -> list[SpanRows]:
+    """Per placeholder run, in order: its item (grids[i], an image or a
+    video) and the rows it takes. ValueError if the runs do not fit the grids."""
+    out: list[SpanRows] = []
+    lengths: list[int] = []
+    for item, (t, h, w) in enumerate(grids):
+        tokens = t * h * w // spec.vision.patches_per_token
+        runs = t if spec.frame_spans else 1
+        out += [SpanRows(item, run * (tokens // runs), tokens) for run in range(runs)]
+        lengths += [tokens // runs] * runs
+    if [length for _, length in spans] != lengths:
+        raise ValueError(f"placeholder runs of {[length for _, length in spans]} tokens where the items' grids "
+                         f"give {lengths}")
+    return out
 
 
 def splice_rows(spec: ModelSpec, embeds: torch.Tensor,
@@ -82,7 +111,7 @@ def splice_rows(spec: ModelSpec, embeds: torch.Tensor,
     return side
 
 
-def spec_from_config(family: str, cfg, side_levels: int = 0) -> ModelSpec:
+def spec_from_config(family: str, cfg, side_levels: int = 0, frame_spans: bool = False) -> ModelSpec:
     """The spec of a config with `text` and `vision` parts in the hub's
     field names (num_hidden_layers, num_key_value_heads, ...), M-RoPE
     positions, and `image_token_id` / `eos_token_ids` / `max_context`."""
@@ -93,4 +122,4 @@ def spec_from_config(family: str, cfg, side_levels: int = 0) -> ModelSpec:
     return ModelSpec(family, language,
                      VisionSpec(vision.hidden_size, vision.intermediate_size, vision.spatial_merge_size ** 2),
                      position_axes=3, image_token_id=cfg.image_token_id,
-                     eos_token_ids=tuple(cfg.eos_token_ids), side_levels=side_levels)
+                     eos_token_ids=tuple(cfg.eos_token_ids), side_levels=side_levels, frame_spans=frame_spans)

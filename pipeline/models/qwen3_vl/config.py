@@ -196,4 +196,5 @@ def _check_mrope_section(section: tuple[int, ...], head_dim: int) -> None:
 
 def model_spec(cfg: Qwen3VLConfig) -> ModelSpec:
     """What the serving code may know of this model (pipeline/models/spec.py)."""
-    return spec_from_config("qwen3_vl", cfg, side_levels=cfg.deepstack_levels)
+    # Its processor puts a timestamp before each temporal patch of a video.
+    return spec_from_config("qwen3_vl", cfg, side_levels=cfg.deepstack_levels, frame_spans=True)
