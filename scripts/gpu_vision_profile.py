@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Where the vision tower's time goes on a GPU (run on the GPU box, not in
-CI): one eager forward of a batch of 640x640 images through our
-Qwen2.5-VL-3B-shaped tower (random bf16 weights made on the GPU), on the
+CI): one eager forward of a batch of 640x640 images through our tower of a
+named shape (--shape, default Qwen2.5-VL-3B; random bf16 weights made on the GPU), on the
 fused kernels the stages use (--plain: plain PyTorch ops), under
 torch.profiler; prints the kernels by GPU time, their share, and the
 tower's achieved TFLOP/s from its matmul FLOPs.
 
-    python3 scripts/gpu_vision_profile.py [--batch 16] [--plain] [--json out.json]
+    python3 scripts/gpu_vision_profile.py [--shape qwen3-vl-4b] [--batch 16] [--plain] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from pipeline.processing.image import ImageProcessorConfig, preprocess_images  #
 
 def matmul_flops(tower: torch.nn.Module, tokens: int) -> float:
     """2 * rows * weights of every Linear: the blocks' see every patch, the
-    merger's a quarter of them. Attention scores and the patch embedding's
+    mergers' (DeepStack's too) a quarter of them. Attention scores and the patch embedding's
     convolution are left out."""
     flops = 0.0
     for name, module in tower.named_modules():
         if isinstance(module, torch.nn.Linear):
-            rows = tokens // 4 if name.startswith("merger") else tokens
+            rows = tokens // 4 if "merger" in name.split(".")[0] else tokens
             flops += 2.0 * rows * module.in_features * module.out_features
     return flops
 
@@ -47,11 +47,12 @@ def main() -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--plain", action="store_true", help="plain PyTorch ops, not the fused kernels")
     p.add_argument("--json", type=Path)
+    p.add_argument("--shape", default="qwen2.5-vl-3b")
     args = p.parse_args()
     device = torch.device("cuda:0")
-    tower = random_model("qwen2.5-vl-3b", torch.bfloat16, device, part="visual").model
+    tower = random_model(args.shape, torch.bfloat16, device, part="visual").model
     fused = not args.plain and fuse_vision_tower(tower, device)
-    config = ImageProcessorConfig.from_checkpoint(shape_model_dir("qwen2.5-vl-3b"))
+    config = ImageProcessorConfig.from_checkpoint(shape_model_dir(args.shape))
     pixels, grid = preprocess_images(images(args.batch), config)
     pixels = pixels.to(device)
     grids = [tuple(g) for g in grid.tolist()]
