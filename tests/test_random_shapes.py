@@ -117,12 +117,18 @@ def shape_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("epd-cache")
 
 
+# A 224x224 image's visual tokens: 14-pixel patches -> 16x16 patches -> 64
+# tokens; 16-pixel patches -> 14x14 -> 49.
+IMAGE_TOKENS = {TINY_SHAPE: 64, "qwen3-vl-tiny": 49}
+
+
+@pytest.mark.parametrize("shape", sorted(IMAGE_TOKENS))
 @pytest.mark.parametrize("layout", [["--encoders", "1"], ["--mode", "aggregated"]], ids=["epd", "aggregated"])
-def test_epd_launch_random_weights_answers_an_image_chat(tmp_path, shape_cache, layout):
+def test_epd_launch_random_weights_answers_an_image_chat(tmp_path, shape_cache, layout, shape):
     port = free_port()
     env = {**os.environ, "EPD_CACHE_DIR": str(shape_cache)}
     launcher = subprocess.Popen(
-        [sys.executable, str(REPO / "bin" / "epd-launch"), "--random-weights", TINY_SHAPE, "--device", "cpu",
+        [sys.executable, str(REPO / "bin" / "epd-launch"), "--random-weights", shape, "--device", "cpu",
          "--port", str(port), "--generators", "1", *layout, "--log-dir", str(tmp_path / "logs"),
          "--ready-timeout", "90"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
@@ -131,9 +137,8 @@ def test_epd_launch_random_weights_answers_an_image_chat(tmp_path, shape_cache, 
             if line.startswith("EPD ready"):
                 break
         answer = chat_with_image(port, max_tokens=5)
-        # 224x224 -> 16x16 patches -> 64 visual tokens, plus the template's text.
-        assert answer["usage"]["completion_tokens"] == 5 and answer["usage"]["prompt_tokens"] > 64
-        assert answer["model"] == "qwen2.5-vl-tiny-v1"
+        assert answer["usage"]["completion_tokens"] == 5 and answer["usage"]["prompt_tokens"] > IMAGE_TOKENS[shape]
+        assert answer["model"] == f"{shape}-v1"
         assert len(answer["choices"][0]["message"]["content"].split()) == 5
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=30) == 0
