@@ -52,7 +52,8 @@ def greedy_generate(model: torch.nn.Module, prompt: MultimodalPrompt,
     if prompt.grids:
         images = model.encode_images(pixel_values.to(device), prompt.grids)
         side = splice_images(model.spec, embeds, prompt.image_spans, prompt.grids, images)
-    positions, delta = model.prompt_positions(len(prompt.token_ids), prompt.image_spans, prompt.grids)
+    positions, delta = model.prompt_positions(len(prompt.token_ids), prompt.image_spans, prompt.grids,
+                                              list(prompt.seconds_per_grid) or None)
     cache = ContiguousKVCache(lang.num_layers, len(prompt.token_ids) + limits.max_tokens,
                               lang.kv_heads, lang.head_dim, embeds.dtype, device)
     out: list[int] = []

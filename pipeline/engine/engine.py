@@ -153,7 +153,8 @@ class Engine:
         request = Request(request_id, list(prompt.token_ids), spans, params,
                           tuple(self.tokenizer.eos_token_ids), self._arrivals)
         self._arrivals += 1
-        positions, delta = self.model.prompt_positions(len(prompt.token_ids), prompt.image_spans, prompt.grids)
+        positions, delta = self.model.prompt_positions(len(prompt.token_ids), prompt.image_spans, prompt.grids,
+                                                       list(prompt.seconds_per_grid) or None)
         inputs = dict(zip(image_keys, image_inputs)) if image_inputs else {}
         self.scheduler.add_request(request)
         self.live[request_id] = _Live(PromptGeometry(positions, delta),

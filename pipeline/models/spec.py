@@ -52,6 +52,9 @@ class ModelSpec:
     # A video's temporal patches each take a placeholder run of their own
     # (with text, e.g. a timestamp, between them) instead of one run.
     frame_spans: bool = False
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
 
     @property
     def embedding_width(self) -> int:
@@ -114,7 +117,8 @@ def splice_rows(spec: ModelSpec, embeds: torch.Tensor,
 def spec_from_config(family: str, cfg, side_levels: int = 0, frame_spans: bool = False) -> ModelSpec:
     """The spec of a config with `text` and `vision` parts in the hub's
     field names (num_hidden_layers, num_key_value_heads, ...), M-RoPE
-    positions, and `image_token_id` / `eos_token_ids` / `max_context`."""
+    positions, and `image_token_id` / `video_token_id` / `vision_start_token_id` /
+    `vision_end_token_id` / `eos_token_ids` / `max_context`."""
     text, vision = cfg.text, cfg.vision
     language = LanguageSpec(text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads,
                             text.head_dim, text.hidden_size, text.intermediate_size, text.vocab_size,
@@ -122,4 +126,6 @@ def spec_from_config(family: str, cfg, side_levels: int = 0, frame_spans: bool =
     return ModelSpec(family, language,
                      VisionSpec(vision.hidden_size, vision.intermediate_size, vision.spatial_merge_size ** 2),
                      position_axes=3, image_token_id=cfg.image_token_id,
-                     eos_token_ids=tuple(cfg.eos_token_ids), side_levels=side_levels, frame_spans=frame_spans)
+                     eos_token_ids=tuple(cfg.eos_token_ids), side_levels=side_levels, frame_spans=frame_spans,
+                     video_token_id=cfg.video_token_id, vision_start_token_id=cfg.vision_start_token_id,
+                     vision_end_token_id=cfg.vision_end_token_id)

@@ -1,9 +1,9 @@
 """Everything between a chat request and model inputs, for one checkpoint:
-tokenizer, chat template and image preprocessing settings.
+tokenizer, chat template, image and video preprocessing settings.
 
-A prompt needs only each image's size: the number of visual tokens follows
-from (height, width), so a proxy can render and tokenize from image headers
-while the pixels are decoded and encoded elsewhere.
+A prompt needs only each image's size and each video's plan (its header):
+the number of visual tokens follows from them, so a proxy can render and
+tokenize from headers while the pixels are decoded and encoded elsewhere.
 """
 
 from __future__ import annotations
@@ -15,45 +15,70 @@ from typing import Any
 
 from pipeline.processing.chat_template import ChatTemplate
 from pipeline.processing.image import ImageProcessorConfig, image_grid_thw
-from pipeline.processing.prompt import build_prompt_ids
+from pipeline.processing.media_prompt import VideoTokens, expand_media_placeholders, label_video_text
 from pipeline.processing.tokenizer import Tokenizer
+from pipeline.processing.video import VideoPlan
+from pipeline.processing.video_config import (
+    INTERVAL_VIDEO_DEFAULTS, TIMESTAMP_VIDEO_DEFAULTS, VideoProcessorConfig)
 
 Grid = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
 class MultimodalPrompt:
-    """Prompt token ids; image i's embeddings replace
-    token_ids[start:start+length] for image_spans[i], and its vision input
-    has patch grid grids[i]."""
+    """Prompt token ids; item i (an image or a video, in prompt order) has
+    vision input grid grids[i] and fills the placeholder runs image_spans
+    (start, length) that are its own (one, or one per temporal patch where
+    the model takes frame runs: ModelSpec.span_rows). seconds_per_grid[i]:
+    the seconds one temporal patch of video i spans, None for an image
+    (empty: every item is an image)."""
 
     token_ids: list[int]
     image_spans: list[tuple[int, int]]
     grids: list[Grid]
+    seconds_per_grid: tuple[float | None, ...] = ()
 
 
 class Processor:
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate, image_config: ImageProcessorConfig,
-                 image_token_id: int) -> None:
+                 image_token_id: int, video: VideoTokens | None = None,
+                 video_config: VideoProcessorConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.image_config = image_config
         self.image_token_id = image_token_id
+        self.video = video
+        self.video_config = video_config
 
     @classmethod
-    def from_checkpoint(cls, model_dir: Path, image_token_id: int) -> Processor:
+    def from_checkpoint(cls, model_dir: Path, image_token_id: int, video: VideoTokens | None = None) -> Processor:
+        """`video`: the model's video tokens (media_prompt.video_tokens_of); None: images only."""
+        video_config = None
+        if video is not None:
+            defaults = TIMESTAMP_VIDEO_DEFAULTS if video.frame_runs else INTERVAL_VIDEO_DEFAULTS
+            video_config = VideoProcessorConfig.from_checkpoint(model_dir, defaults)
         return cls(Tokenizer.from_checkpoint(model_dir), ChatTemplate.from_checkpoint(model_dir),
-                   ImageProcessorConfig.from_checkpoint(model_dir), image_token_id)
+                   ImageProcessorConfig.from_checkpoint(model_dir), image_token_id, video, video_config)
 
     def image_grid(self, height: int, width: int) -> Grid:
         return image_grid_thw(height, width, self.image_config)
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
-                    image_sizes: Sequence[tuple[int, int]]) -> MultimodalPrompt:
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], image_sizes: Sequence[tuple[int, int]],
+                    videos: Sequence[VideoPlan] = ()) -> MultimodalPrompt:
         """Token ids for a chat whose image parts, in order, have these
-        (height, width) sizes; the generation prompt is added."""
+        (height, width) sizes and whose video parts these plans
+        (processing.video.plan_video); the generation prompt is added."""
+        if videos and self.video is None:
+            raise ValueError("this model takes no video")
         grids = [self.image_grid(h, w) for h, w in image_sizes]
         merge = self.image_config.merge_size ** 2
         counts = [t * h * w // merge for t, h, w in grids]
-        ids = build_prompt_ids(self.tokenizer, self.template, messages, counts, self.image_token_id)
-        return MultimodalPrompt(ids.token_ids, ids.image_spans, grids)
+        text = self.template.render(messages, add_generation_prompt=True)
+        if self.video is not None:
+            text = label_video_text(text, videos, self.tokenizer, self.video)
+        ids = expand_media_placeholders(self.tokenizer.encode(text), counts, videos, self.image_token_id,
+                                        self.video)
+        items = [(grids[i], None) if kind == "image" else (tuple(videos[i].grid), videos[i].seconds_per_step)
+                 for kind, i in ids.items]
+        return MultimodalPrompt(ids.token_ids, ids.spans, [g for g, _ in items],
+                                tuple(s for _, s in items) if videos else ())

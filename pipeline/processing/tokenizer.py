@@ -182,6 +182,13 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """The string of one token (a special token's name, e.g. a placeholder)."""
+        text = self._backend.id_to_token(token_id)
+        if text is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        return text
+
     def token_id(self, token: str) -> int:
         token_id = self._backend.token_to_id(token)
         if token_id is None:

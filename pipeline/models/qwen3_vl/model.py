@@ -75,9 +75,10 @@ class Qwen3VL(nn.Module):
                              f"{(embeds.shape[0], self.deepstack_levels, embeds.shape[1])}")
         return self.model(embeds, positions, attn, side)
 
-    def prompt_positions(self, num_tokens: int, image_spans: list[tuple[int, int]],
-                         grids: list[Grid]) -> tuple[torch.Tensor, int]:
-        """M-RoPE positions [3, num_tokens] of a prompt and its decode delta."""
+    def prompt_positions(self, num_tokens: int, image_spans: list[tuple[int, int]], grids: list[Grid],
+                         seconds_per_grid: list[float | None] | None = None) -> tuple[torch.Tensor, int]:
+        """M-RoPE positions [3, num_tokens] of a prompt and its decode delta.
+        A video's time is in its timestamp text, so `seconds_per_grid` goes unused."""
         return mrope.prompt_positions(num_tokens, image_spans, grids, self.spatial_merge_size)
 
     def decode_positions(self, first_index: int, count: int, delta: int) -> torch.Tensor:
