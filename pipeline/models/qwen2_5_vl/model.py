@@ -4,7 +4,6 @@ whose parameter names are the reference checkpoint's."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from pipeline.models.attention import AttentionBackend
 from pipeline.models.qwen2_5_vl import positions as mrope
@@ -12,41 +11,12 @@ from pipeline.models.qwen2_5_vl.config import Qwen25VLConfig, model_spec
 from pipeline.models.qwen2_5_vl.text import TextModel
 from pipeline.models.qwen2_5_vl.vision import VisionTower
 from pipeline.models.qwen2_5_vl.vision_layout import Grid
-from pipeline.models.spec import ModelSpec
+from pipeline.models.vl_model import VisionLanguageModel
 
 
-class Qwen25VL(nn.Module):
+class Qwen25VL(VisionLanguageModel):
     def __init__(self, cfg: Qwen25VLConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.spec: ModelSpec = model_spec(cfg)
-        self.visual = VisionTower(cfg.vision)
-        self.model = TextModel(cfg.text)
-        if not cfg.text.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
-
-    def fuse(self) -> None:
-        """Merge same-input projections of the language model (see TextModel.fuse)."""
-        self.model.fuse()
-
-    def reset_buffers(self) -> None:
-        self.visual.reset_buffers()
-        self.model.rotary.reset_buffers()
-
-    @property
-    def image_token_id(self) -> int:
-        return self.cfg.image_token_id
-
-    @property
-    def spatial_merge_size(self) -> int:
-        return self.cfg.vision.spatial_merge_size
-
-    def encode_images(self, pixel_values: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
-        """One vision forward over a packed batch; one [tokens_i, width] per image."""
-        return self.visual(pixel_values, grids)
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(token_ids)
+        super().__init__(cfg, model_spec(cfg), VisionTower(cfg.vision), TextModel(cfg.text))
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend, side: None = None) -> torch.Tensor:
@@ -64,14 +34,3 @@ class Qwen25VL(nn.Module):
         intervals = None if seconds_per_grid is None else [
             1.0 if s is None else self.cfg.vision.tokens_per_second * s for s in seconds_per_grid]
         return mrope.prompt_positions(num_tokens, image_spans, grids, self.spatial_merge_size, intervals)
-
-    def decode_positions(self, first_index: int, count: int, delta: int) -> torch.Tensor:
-        return mrope.decode_positions(first_index, count, delta)
-
-    def decode_step_positions(self, indices: list[int], deltas: list[int]) -> torch.Tensor:
-        """One decode token per request (a batched decode step), in one tensor."""
-        return mrope.decode_step_positions(indices, deltas)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.cfg.text.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.models.mrope_decode import decode_positions, decode_step_positions
 from pipeline.models.qwen2_5_vl.vision_layout import Grid
+
+__all__ = ["decode_positions", "decode_step_positions", "prompt_positions"]
 
 
 def prompt_positions(num_tokens: int, image_spans: list[tuple[int, int]], grids: list[Grid], merge: int,
@@ -49,17 +52,6 @@ def prompt_positions(num_tokens: int, image_spans: list[tuple[int, int]], grids:
     positions = torch.cat(parts, dim=1)
     delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
     return positions, delta
-
-
-def decode_positions(first_index: int, count: int, delta: int) -> torch.Tensor:
-    """Positions [3, count] for tokens at indices first_index... after a prompt."""
-    return (torch.arange(first_index, first_index + count) + delta).view(1, -1).expand(3, -1)
-
-
-def decode_step_positions(indices: list[int], deltas: list[int]) -> torch.Tensor:
-    """Positions [3, n] of one decode token for each of n requests: token
-    indices[i] of request i, whose prompt has decode delta deltas[i]."""
-    return torch.tensor([i + d for i, d in zip(indices, deltas)]).view(1, -1).expand(3, -1)
 
 
 def _text(n: int, start: int) -> torch.Tensor:

@@ -15,8 +15,7 @@ import torch
 from pipeline.models.qwen2_5_vl import positions as qwen2_5
 from pipeline.models.qwen3_vl.vision_layout import Grid
 
-decode_positions = qwen2_5.decode_positions
-decode_step_positions = qwen2_5.decode_step_positions
+__all__ = ["prompt_positions"]
 
 
 def prompt_positions(num_tokens: int, image_spans: list[tuple[int, int]],
