@@ -23,3 +23,14 @@ def eos_token_ids(d: dict[str, Any]) -> tuple[int, ...]:
     """`eos_token_id`, which config.json writes as one id, a list, or null."""
     eos = d.get("eos_token_id")
     return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+
+# The hub's media token ids, and the ids these checkpoints' tokenizers give
+# them where a config leaves them out.
+_MEDIA_TOKENS = (("image_token_id", 151655), ("video_token_id", 151656),
+                 ("vision_start_token_id", 151652), ("vision_end_token_id", 151653))
+
+
+def media_token_fields(raw: dict[str, Any]) -> dict[str, int]:
+    """image_token_id, video_token_id, vision_start_token_id and vision_end_token_id of a config.json."""
+    return {name: int_field(raw, name, default) for name, default in _MEDIA_TOKENS}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.models.config_fields import check_divides, eos_token_ids, int_field
+from pipeline.models.config_fields import check_divides, eos_token_ids, int_field, media_token_fields
 from pipeline.models.spec import ModelSpec, spec_from_config
 
 
@@ -86,10 +86,7 @@ def parse_config(raw: dict[str, Any]) -> Qwen25VLConfig:
     return Qwen25VLConfig(
         vision=vision,
         text=text,
-        image_token_id=int_field(raw, "image_token_id", 151655),
-        video_token_id=int_field(raw, "video_token_id", 151656),
-        vision_start_token_id=int_field(raw, "vision_start_token_id", 151652),
-        vision_end_token_id=int_field(raw, "vision_end_token_id", 151653),
+        **media_token_fields(raw),
         eos_token_ids=eos_token_ids(text_raw),
     )
 
