@@ -2,8 +2,9 @@
 
 Every family answers with one ModelSpec built from its own config, and the
 code outside pipeline/models/ reads this and nothing else: KV geometry, the
-sizes that budgets count, how many position axes a token has, which token
-marks an image, and the layout of an encoder's output rows.
+sizes that budgets count, how many position axes a token has, which tokens
+mark images and videos, how an item's placeholder runs lie (span_rows), and
+the layout of an encoder's output rows.
 
 An encoder's output row for one image token is `embedding_width` wide:
 the input embedding (`hidden_size`), then `side_levels` more slices of
