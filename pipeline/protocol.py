@@ -69,7 +69,10 @@ class EncodeJob(_Msg, tag="encode"):
     consumer: str            # inbox address of the generator that needs it
     expected_tokens: int
     reply_to: str = ""       # inbox of the sender, for failures (the proxy)
-    modality: str = "image"
+    modality: str = "image"  # or "video"
+    # A video's sampling asked for by the request (VideoOptions); part of its hash's salt.
+    video_fps: float | None = None
+    video_frames: int | None = None
 
 
 class EmbeddingReady(_Msg, tag="ready"):
@@ -171,10 +174,11 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
 
 
 class GenerateRequest(_Msg, tag="generate"):
-    """A whole request, sent once. Image i fills prompt positions
-    image_spans[i] with the embedding of content hash image_keys[i] (grid
-    grids[i]), which encoders deliver separately. In aggregated mode the
-    generator encodes the images itself from `media`."""
+    """A whole request, sent once. Placeholder run k fills prompt positions
+    image_spans[k] with rows of the embedding of content hash image_keys[k]
+    (the runs of one video share its key); grids[i] is item i's, in prompt
+    order. Encoders deliver the embeddings separately. In aggregated mode
+    the generator encodes the images itself from `media`."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -184,6 +188,14 @@ class GenerateRequest(_Msg, tag="generate"):
     sampling: Sampling
     reply_to: str
     media: tuple[bytes, ...] = ()
+    # Per item (grids[i]): the seconds one temporal patch of a video spans,
+    # None for an image; empty when every item is an image.
+    seconds_per_grid: tuple[float | None, ...] = ()
+    # Aggregated mode: per item of `media`, "image" or "video" (empty: all
+    # images), and the request's own video sampling.
+    media_kinds: tuple[str, ...] = ()
+    video_fps: float | None = None
+    video_frames: int | None = None
 
 
 class TokenDelta(_Msg, tag="delta"):

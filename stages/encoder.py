@@ -28,10 +28,12 @@ from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.encoder.service import EncoderService, EncoderSettings
 from pipeline.media.registry import create_backend
 from pipeline.models.errors import ModelLoadError
-from pipeline.models.loader import resolve_device
+from pipeline.models.loader import load_config, resolve_device
 from pipeline.models.stage_model import add_random_weights_flag, load_stage_model, stage_model_dir
 from pipeline.models.vision_flags import add_vision_graph_flags, check_vision_graph_flags, stage_vision_forward
 from pipeline.processing.image import ImageProcessorConfig
+from pipeline.processing.media_prompt import video_tokens_of
+from pipeline.processing.processor import video_config_of
 
 log = logging.getLogger("epd.encoder")
 
@@ -105,6 +107,8 @@ async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: trans
     model_dir = stage_model_dir(args.model, args.random_weights)
     tower = load_stage_model(model_dir, args.random_weights, dtype, device, part="visual")
     image_config = ImageProcessorConfig.from_checkpoint(model_dir)
+    family, config = load_config(model_dir)
+    video_config = video_config_of(model_dir, video_tokens_of(family.spec(config)))
     media = create_backend(args.media_backend, device)
     arena_mib = args.arena_mib or (CUDA_ARENA_MIB if device.type == "cuda" else CPU_ARENA_MIB)
     store = ArenaStore(arena_mib << 20, args.block_kib << 10, device, args.instance, args.lease_timeout)
@@ -115,7 +119,7 @@ async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: trans
     compute_pool = cleanup.enter_context(ThreadPoolExecutor(1, "compute"))
     service = EncoderService(settings, store, tower, media, image_config, outbox.try_send,
                              decode_pool, compute_pool,
-                             stage_vision_forward(tower, device, args, image_config))
+                             stage_vision_forward(tower, device, args, image_config), video_config)
     cleanup.callback(service.lanes.close)
     for address in args.announce_to:
         service.handle_hello(address)

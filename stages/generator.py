@@ -32,12 +32,17 @@ from pipeline.generator.internal import AskerRestarted, prepare
 from pipeline.generator.service import GeneratorService
 from pipeline.incarnations import Incarnations
 from pipeline.media.registry import create_backend
+from pipeline.media.video_cpu import decode_video
+from pipeline.media.video_probe import VideoDecodeError
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import resolve_device
 from pipeline.models.stage_model import add_random_weights_flag, load_stage_model, stage_model_dir
 from pipeline.models.vision_flags import add_vision_graph_flags, check_vision_graph_flags, stage_vision_forward
 from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
+from pipeline.processing.media_prompt import video_tokens_of
+from pipeline.processing.processor import video_config_of
 from pipeline.processing.tokenizer import Tokenizer
+from pipeline.processing.video import VideoOptions
 
 log = logging.getLogger("epd.generator")
 
@@ -127,7 +132,10 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
     if aggregated:
         engine.runner.vision = stage_vision_forward(model.visual, device, args,
                                                     ImageProcessorConfig.from_checkpoint(model_dir))
-    decode = image_decoder(args.media_backend, device, model_dir) if aggregated else None
+    decode = None
+    if aggregated:
+        video_config = video_config_of(model_dir, video_tokens_of(engine.model.spec))
+        decode = media_decoder(args.media_backend, device, model_dir, video_config)
     # Last: nothing after it may fail and leave the rings' shared memory behind.
     rings = {} if aggregated else ring.create_inbound(args.instance, args.encoders)
     return GeneratorService(engine, args.address, device, send, args.encoders, args.embedding_timeout, decode,
@@ -165,17 +173,38 @@ def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: tor
                       f"{reserve / GIB:.1f} GiB kept for activations, CUDA graphs and image embeddings")
 
 
-def image_decoder(backend: str, device, model_dir: Path):
-    """Aggregated mode: media bytes -> [(pixel_values, grid)], ValueError for a bad image."""
+def media_decoder(backend: str, device, model_dir: Path, video_config):
+    """Aggregated mode: a request's media -> [(pixel_values, grid)] per item,
+    ValueError for a bad image or video."""
     media = create_backend(backend, device)
     image_config = ImageProcessorConfig.from_checkpoint(model_dir)
 
-    def decode(blobs):
+    def decode_images(blobs):
         results = media.decode(list(blobs), image_config)
         bad = [str(r) for r in results if isinstance(r, ImageDecodeError)]
         if bad:
             raise ValueError(f"bad image: {bad[0]}")
         return [(r.pixel_values, r.grid) for r in results]
+
+    def decode(request: protocol.GenerateRequest):
+        kinds = request.media_kinds or ("image",) * len(request.media)
+        images = iter(decode_images([m for m, k in zip(request.media, kinds) if k == "image"]))
+        options = None
+        if request.video_fps is not None or request.video_frames is not None:
+            options = VideoOptions(request.video_fps, request.video_frames)
+        out = []
+        for data, kind in zip(request.media, kinds):
+            if kind == "image":
+                out.append(next(images))
+                continue
+            if video_config is None:
+                raise ValueError("this model takes no video")
+            try:
+                video = decode_video(data, video_config, options)
+            except VideoDecodeError as exc:
+                raise ValueError(f"bad video: {exc}") from None
+            out.append((video.pixel_values, video.plan.grid))
+        return out
 
     return decode
 

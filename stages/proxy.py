@@ -22,6 +22,7 @@ from pipeline.hashing import media_salt
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config
 from pipeline.models.tiny import default_model_dir
+from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import Processor
 from pipeline.proxy.dispatcher import Dispatcher
 from pipeline.proxy.media_fetch import FetchPolicy
@@ -77,7 +78,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     model_dir = args.model or default_model_dir()
     family, config = load_config(model_dir)
     spec = family.spec(config)
-    processor = Processor.from_checkpoint(model_dir, spec.image_token_id)
+    processor = Processor.from_checkpoint(model_dir, spec.image_token_id, video_tokens_of(spec))
     model_id = args.model_id or Path(model_dir).name
     model = ModelInfo(model_id, processor, spec.language.max_context,
                       media_salt(model_id, processor.image_config.settings_key()),

@@ -28,7 +28,11 @@ from pipeline.encoder.single_flight import SingleFlight
 from pipeline.hashing import content_hash, media_salt
 from pipeline.incarnations import Incarnations
 from pipeline.media.base import DecodedImage, MediaBackend
+from pipeline.media.video_cpu import decode_video
+from pipeline.media.video_probe import VideoDecodeError
 from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
+from pipeline.processing.video import VideoOptions, video_settings_key
+from pipeline.processing.video_config import VideoProcessorConfig
 
 log = logging.getLogger("epd.encoder")
 PROFILE_LOG_S = 10.0   # how often the busy profile is logged while there is work
@@ -50,12 +54,20 @@ class _Decoded:
     tokens: int
 
 
+def job_video_options(job: protocol.EncodeJob) -> VideoOptions | None:
+    """The request's own sampling of this clip (ValueError if invalid)."""
+    if job.video_fps is None and job.video_frames is None:
+        return None
+    return VideoOptions(job.video_fps, job.video_frames)
+
+
 class EncoderService:
     def __init__(self, settings: EncoderSettings, store: ArenaStore, tower: torch.nn.Module,
                  media: MediaBackend, image_config: ImageProcessorConfig,
                  send: Callable[[str, protocol.Message], bool],
                  decode_pool: Executor, compute_pool: Executor,
-                 forward: Callable[[torch.Tensor, list], list[torch.Tensor]] | None = None) -> None:
+                 forward: Callable[[torch.Tensor, list], list[torch.Tensor]] | None = None,
+                 video_config: VideoProcessorConfig | None = None) -> None:
         self.settings = settings
         self.store = store
         self.tower = tower
@@ -66,9 +78,10 @@ class EncoderService:
         self.lanes = RingLanes(send, settings.encoder_id)
         self.decode_pool = decode_pool
         self.compute_pool = compute_pool
+        self.video_config = video_config   # None: this model takes no video
         self.salt = media_salt(settings.model_id, image_config.settings_key())
         self.flight: SingleFlight[protocol.EncodeJob] = SingleFlight()
-        self.to_decode: list[tuple[str, bytes]] = []
+        self.to_decode: list[tuple[str, protocol.EncodeJob]] = []
         self.decoded: deque[_Decoded] = deque()
         self.counters: Counter[str] = Counter()
         self.incarnation = protocol.new_incarnation()
@@ -131,8 +144,24 @@ class EncoderService:
                                         self.settings.model_id, self.store.info,
                                         {"image": self.tower.out_dim})
 
+    def _salt(self, job: protocol.EncodeJob) -> bytes | None:
+        if job.modality == "image":
+            return self.salt
+        if job.modality != "video" or self.video_config is None:
+            return None
+        options = job_video_options(job)
+        return media_salt(self.settings.model_id, video_settings_key(self.video_config, options), "video")
+
     def _on_job(self, job: protocol.EncodeJob) -> None:
-        key = content_hash(job.media, self.salt)
+        try:
+            salt = self._salt(job)
+        except ValueError as exc:   # sampling options no video takes
+            self._fail(job, f"bad video options: {exc}", retryable=False)
+            return
+        if salt is None:
+            self._fail(job, f"this encoder takes no {job.modality} input", retryable=False)
+            return
+        key = content_hash(job.media, salt)
         if key != job.content_hash:
             # The address is always ours to compute: a client-chosen id must
             # never make a request receive another image's embedding.
@@ -142,7 +171,7 @@ class EncoderService:
         if entry is not None and entry.state is State.READY:
             self._deliver(job, entry, dedup=True)
         elif self.flight.join(key, job):
-            self.to_decode.append((key, job.media))
+            self.to_decode.append((key, job))
             self._decode_wake.set()
 
     def _on_fetch(self, fetch: protocol.FetchEmbedding) -> None:
@@ -162,7 +191,6 @@ class EncoderService:
         await asyncio.gather(self._decode_loop(), self._compute_loop(), self._expiry_loop(), self._profile_loop())
 
     async def _decode_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._decode_wake.wait()
             self._decode_wake.clear()
@@ -170,27 +198,53 @@ class EncoderService:
             if not items:
                 continue
             started = time.perf_counter()
-            try:
-                results = await loop.run_in_executor(
-                    self.decode_pool, self.media.decode, [media for _, media in items], self.image_config)
-            except Exception as exc:
-                # A backend failure other than a bad image (those come back as
-                # ImageDecodeError) fails this batch, not the encoder: ended,
-                # the process would meet the same bytes again when its jobs
-                # were retried, and a crash loop stops the whole box.
-                log.exception("decoding a batch of %d image(s) failed", len(items))
-                for key, _ in items:
-                    self._fail_all(key, f"encoder error while decoding: {exc}", retryable=True)
-                continue
+            images = [(key, job) for key, job in items if job.modality == "image"]
+            videos = [(key, job) for key, job in items if job.modality == "video"]
+            await asyncio.gather(self._decode_images(images), *(self._decode_video(key, job) for key, job in videos))
             self.busy["decode_s"] += time.perf_counter() - started
             self.busy["decode_images"] += len(items)
-            for (key, _), result in zip(items, results):
-                if isinstance(result, ImageDecodeError):
-                    self._fail_all(key, f"bad image: {result}", retryable=False)
-                else:
-                    tokens = self.tower.tokens_per_image(result.grid)
-                    self.decoded.append(_Decoded(key, result, tokens))
-                    self._compute_wake.set()
+
+    async def _decode_images(self, items: list[tuple[str, protocol.EncodeJob]]) -> None:
+        if not items:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(
+                self.decode_pool, self.media.decode, [job.media for _, job in items], self.image_config)
+        except Exception as exc:
+            # A backend failure other than a bad image (those come back as
+            # ImageDecodeError) fails this batch, not the encoder: ended,
+            # the process would meet the same bytes again when its jobs
+            # were retried, and a crash loop stops the whole box.
+            log.exception("decoding a batch of %d image(s) failed", len(items))
+            for key, _ in items:
+                self._fail_all(key, f"encoder error while decoding: {exc}", retryable=True)
+            return
+        for (key, _), result in zip(items, results):
+            if isinstance(result, ImageDecodeError):
+                self._fail_all(key, f"bad image: {result}", retryable=False)
+            else:
+                self._queue_decoded(key, result)
+
+    async def _decode_video(self, key: str, job: protocol.EncodeJob) -> None:
+        """One clip on a decode thread (PyAV on the CPU): its planned frames,
+        preprocessed as the checkpoint's reference video processor does."""
+        loop = asyncio.get_running_loop()
+        try:
+            video = await loop.run_in_executor(self.decode_pool, decode_video, job.media, self.video_config,
+                                               job_video_options(job))
+        except VideoDecodeError as exc:
+            self._fail_all(key, f"bad video: {exc}", retryable=False)
+            return
+        except Exception as exc:   # as for images: this clip's jobs fail, the encoder goes on
+            log.exception("decoding a video failed")
+            self._fail_all(key, f"encoder error while decoding: {exc}", retryable=True)
+            return
+        self._queue_decoded(key, DecodedImage(video.pixel_values, video.plan.grid, video.plan.source_size))
+
+    def _queue_decoded(self, key: str, decoded: DecodedImage) -> None:
+        self.decoded.append(_Decoded(key, decoded, self.tower.tokens_per_image(decoded.grid)))
+        self._compute_wake.set()
 
     async def _compute_loop(self) -> None:
         loop = asyncio.get_running_loop()

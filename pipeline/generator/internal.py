@@ -28,8 +28,9 @@ class AskerRestarted:
 
 
 def prepare(request: protocol.GenerateRequest, decode_images: Callable) -> PreparedRequest:
-    """Decode an aggregated-mode request's images (on a receiver-side worker)."""
+    """Decode an aggregated-mode request's images and videos (on a
+    receiver-side worker): `decode_images(request)` -> [(pixels, grid)] per item."""
     try:
-        return PreparedRequest(request, decode_images(request.media))
+        return PreparedRequest(request, decode_images(request))
     except ValueError as exc:
         return PreparedRequest(request, None, str(exc))

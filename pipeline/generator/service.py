@@ -25,6 +25,7 @@ from pipeline.arena.reader import ArenaReader, StaleHandleError
 from pipeline.engine.engine import Engine
 from pipeline.engine.output import RequestOutput
 from pipeline.engine.request import SamplingParams
+from pipeline.models.spec import span_rows
 from pipeline.generator.arena_waits import ArenaWaits
 from pipeline.generator.early_arrivals import EarlyArrivals
 from pipeline.generator.internal import AskerRestarted, PreparedRequest
@@ -232,7 +233,12 @@ class GeneratorService:
             params = SamplingParams(s.max_tokens, s.min_tokens, s.temperature, s.top_k, s.top_p, s.seed,
                                     s.stop_token_ids, s.stop, s.ignore_eos)
             prompt = MultimodalPrompt(list(req.prompt_token_ids), [tuple(x) for x in req.image_spans],
-                                      [tuple(g) for g in req.grids])
+                                      [tuple(g) for g in req.grids], tuple(req.seconds_per_grid))
+            if inputs is not None:
+                # Decoded per item; the engine takes them per placeholder run (a
+                # video's runs share its input, as they share its key).
+                rows = span_rows(self.engine.model.spec, prompt.grids, prompt.image_spans)
+                inputs = [inputs[r.item] for r in rows]
             self.engine.add_request(req.request_id, prompt, list(req.image_keys), params, inputs)
         except ValueError as exc:
             self.send(req.reply_to, protocol.TokenDelta(req.request_id, (), "", True, "error", error=str(exc),
@@ -364,7 +370,7 @@ class GeneratorService:
                 self._fail_key(key, "image embedding evicted and its encoder is unknown")
                 continue
             request = self.engine.scheduler.get_request(next(iter(users)))
-            length = next(s.length for s in request.image_spans if s.key == key)
+            length = next(s.item_tokens for s in request.image_spans if s.key == key)
             self.send(address, protocol.FetchEmbedding(f"refetch-{key}", request.request_id, key,
                                                         self.address, length))
 

@@ -42,13 +42,15 @@ def video_tokens_of(spec) -> VideoTokens | None:
 
 @dataclass(frozen=True)
 class MediaPromptIds:
-    """token_ids; spans[k] = (start, length) of the k-th placeholder run;
-    items: per item in prompt order, ("image", i) or ("video", j), i and j
-    counting each kind in its own order; an item's runs follow each other."""
+    """token_ids; spans[k] = (start, length) of the k-th placeholder run,
+    which belongs to item span_items[k]; items: per item in prompt order,
+    ("image", i) or ("video", j), i and j counting each kind in its own
+    order; an item's runs follow each other."""
 
     token_ids: list[int]
     spans: list[tuple[int, int]]
     items: list[tuple[str, int]]
+    span_items: list[int]
 
 
 def label_video_text(text: str, plans: Sequence[VideoPlan], tokenizer: Tokenizer, video: VideoTokens) -> str:
@@ -81,6 +83,7 @@ def expand_media_placeholders(token_ids: Sequence[int], image_token_counts: Sequ
     expanded: list[int] = []
     spans: list[tuple[int, int]] = []
     items: list[tuple[str, int]] = []
+    span_items: list[int] = []
     images = iter(enumerate(image_token_counts))
     pending = iter([(j, length, k == 0) for j, lengths in enumerate(runs) for k, length in enumerate(lengths)])
     for token_id in token_ids:
@@ -95,8 +98,9 @@ def expand_media_placeholders(token_ids: Sequence[int], image_token_counts: Sequ
             expanded.append(token_id)
             continue
         spans.append((len(expanded), count))
+        span_items.append(len(items) - 1)
         expanded.extend([token_id] * count)
-    return MediaPromptIds(expanded, spans, items)
+    return MediaPromptIds(expanded, spans, items, span_items)
 
 
 def _check_counts(token_ids, image_token_counts, image_token_id, runs, video_id) -> None:

@@ -37,6 +37,20 @@ class MultimodalPrompt:
     image_spans: list[tuple[int, int]]
     grids: list[Grid]
     seconds_per_grid: tuple[float | None, ...] = ()
+    span_items: tuple[int, ...] = ()   # the item of each run; empty: run i is item i
+
+    def item_of_span(self) -> list[int]:
+        return list(self.span_items) or list(range(len(self.image_spans)))
+
+
+def video_config_of(model_dir: Path, video: VideoTokens | None) -> VideoProcessorConfig | None:
+    """The checkpoint's video settings over the defaults of the reference
+    video processor its model pairs with: the timestamped variant for a
+    model that takes frame runs; None for a model without video."""
+    if video is None:
+        return None
+    defaults = TIMESTAMP_VIDEO_DEFAULTS if video.frame_runs else INTERVAL_VIDEO_DEFAULTS
+    return VideoProcessorConfig.from_checkpoint(model_dir, defaults)
 
 
 class Processor:
@@ -53,12 +67,9 @@ class Processor:
     @classmethod
     def from_checkpoint(cls, model_dir: Path, image_token_id: int, video: VideoTokens | None = None) -> Processor:
         """`video`: the model's video tokens (media_prompt.video_tokens_of); None: images only."""
-        video_config = None
-        if video is not None:
-            defaults = TIMESTAMP_VIDEO_DEFAULTS if video.frame_runs else INTERVAL_VIDEO_DEFAULTS
-            video_config = VideoProcessorConfig.from_checkpoint(model_dir, defaults)
         return cls(Tokenizer.from_checkpoint(model_dir), ChatTemplate.from_checkpoint(model_dir),
-                   ImageProcessorConfig.from_checkpoint(model_dir), image_token_id, video, video_config)
+                   ImageProcessorConfig.from_checkpoint(model_dir), image_token_id, video,
+                   video_config_of(model_dir, video))
 
     def image_grid(self, height: int, width: int) -> Grid:
         return image_grid_thw(height, width, self.image_config)
@@ -81,4 +92,4 @@ class Processor:
         items = [(grids[i], None) if kind == "image" else (tuple(videos[i].grid), videos[i].seconds_per_step)
                  for kind, i in ids.items]
         return MultimodalPrompt(ids.token_ids, ids.spans, [g for g, _ in items],
-                                tuple(s for _, s in items) if videos else ())
+                                tuple(s for _, s in items) if videos else (), tuple(ids.span_items))

@@ -24,7 +24,7 @@ from pipeline.processing.video_config import CHANNELS, VideoProcessorConfig
 
 __all__ = ["VideoOptions", "VideoPlan", "VideoSource", "clip_smart_resize", "plan_video", "preprocess_video",
            "resize_frames", "resize_frames_two_pass", "sample_frame_indices", "timestamp_label", "timestamp_prompt",
-           "video_token_count"]
+           "video_settings_key", "video_token_count"]
 
 
 class VideoSource(Protocol):
@@ -222,6 +222,13 @@ def video_token_count(header: VideoSource, cfg: VideoProcessorConfig,
                       options: VideoOptions | None = None) -> int:
     """Placeholder tokens the language model sees for this clip, from its header alone."""
     return plan_video(header, cfg, options).num_tokens
+
+
+def video_settings_key(cfg: VideoProcessorConfig, options: VideoOptions | None) -> str:
+    """Everything that changes a clip's embedding besides its bytes and the
+    model: the checkpoint's video settings and the request's own sampling."""
+    asked = "" if options is None else f"|fps={options.fps!r}|num_frames={options.num_frames!r}"
+    return cfg.settings_key() + asked
 
 
 def timestamp_label(seconds: float) -> str:

@@ -31,10 +31,22 @@ class ImageUrl(msgspec.Struct):
     detail: str | None = None
 
 
+class VideoUrl(msgspec.Struct):
+    url: str
+
+
 class ContentPart(msgspec.Struct):
     type: str
     text: str | None = None
     image_url: ImageUrl | str | None = None
+    video_url: VideoUrl | str | None = None
+
+
+class MediaProcessorKwargs(msgspec.Struct):
+    """`mm_processor_kwargs` as the common OpenAI-compatible servers take it:
+    a video's sampling, frames per second or a frame count."""
+    fps: float | None = None
+    num_frames: int | None = None
 
 
 class ChatMessage(msgspec.Struct):
@@ -64,6 +76,7 @@ class SamplingFields(msgspec.Struct):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = []
+    mm_processor_kwargs: MediaProcessorKwargs | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -89,6 +102,13 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
     if kind == "completion" and not request.prompt:
         raise ApiError("prompt must be a non-empty string or token list", param="prompt")
     return request
+
+
+def video_url_of(part: ContentPart) -> str:
+    url = part.video_url.url if isinstance(part.video_url, VideoUrl) else part.video_url
+    if not url:
+        raise ApiError("video_url part without a url", param="messages")
+    return url
 
 
 def image_url_of(part: ContentPart) -> str:

@@ -163,8 +163,9 @@ class Dispatcher:
             return False
         target = live[0]
         flight.encoders[job.job_id] = tried + [target]
-        job = protocol.EncodeJob(job.job_id, flight.wire_id, job.content_hash, job.media, flight.generator,
-                                 job.expected_tokens, self.address)
+        # Every other field (modality, a video's sampling) as the request built it.
+        job = msgspec.structs.replace(job, request_id=flight.wire_id, consumer=flight.generator,
+                                      reply_to=self.address)
         self.outbox.try_send(target, job)
         return True
 

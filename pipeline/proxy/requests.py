@@ -1,6 +1,6 @@
 """From an OpenAI request to the work the stages do: fetch and check each
-image, render and tokenize the prompt, hash the images, fill the sampling
-settings, check the context length."""
+image and video, render and tokenize the prompt, hash the media, fill the
+sampling settings, check the context length."""
 
 from __future__ import annotations
 
@@ -10,16 +10,19 @@ from dataclasses import dataclass
 from pipeline import protocol
 from pipeline.hashing import content_hash
 from pipeline.processing.image import ImageDecodeError, check_source_size, read_image_size
-from pipeline.processing.processor import Processor
+from pipeline.processing.processor import MultimodalPrompt, Processor
+from pipeline.processing.video import VideoOptions
 from pipeline.proxy.api_types import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     image_url_of,
     stop_strings,
+    video_url_of,
 )
 from pipeline.proxy.dispatcher import Work
 from pipeline.proxy.media_fetch import FetchPolicy, fetch_image
+from pipeline.proxy.video_items import VideoLimits, checked_plan, video_key, video_options
 
 
 @dataclass(frozen=True)
@@ -29,23 +32,35 @@ class ModelInfo:
     max_context: int
     salt: bytes
     aggregated: bool = False   # generators encode images themselves: they get the bytes
-    max_images: int = 16
+    max_images: int = 16       # images and videos
+    video_limits: VideoLimits = VideoLimits()
 
 
 async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchPolicy, request_id: str,
                     reply_to: str, session=None) -> Work:
-    messages, urls = _plain_messages(req)
-    if len(urls) > model.max_images:
-        raise ApiError(f"too many images: {len(urls)} (at most {model.max_images} per request)", param="messages")
-    images = await asyncio.gather(*(fetch_image(u, policy, session) for u in urls))
+    messages, media = _plain_messages(req)
+    if len(media) > model.max_images:
+        raise ApiError(f"too many images and videos: {len(media)} (at most {model.max_images} per request)",
+                       param="messages")
+    fetched = await asyncio.gather(*(fetch_image(url, policy, session) for _, url in media))
+    kinds = [kind for kind, _ in media]
+    images = [data for kind, data in zip(kinds, fetched) if kind == "image"]
+    videos = [data for kind, data in zip(kinds, fetched) if kind == "video"]
     sizes = [_checked_size(i, data, model) for i, data in enumerate(images, start=1)]
+    options = video_options(req) if videos else None
+    cfg = model.processor.video_config
+    plans = [checked_plan(i, data, cfg, options, model.video_limits) for i, data in enumerate(videos, start=1)]
     try:
         # Inline, not in a thread: rendering and tokenizing a prompt takes far
         # less than a thread hop costs under the GIL.
-        prompt = model.processor.chat_prompt(messages, sizes)
+        prompt = model.processor.chat_prompt(messages, sizes, plans)
     except ValueError as exc:
         raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
-    return _work(req, model, request_id, reply_to, prompt.token_ids, prompt.image_spans, prompt.grids, images)
+    # Items in prompt order are the media in message order.
+    keys = [video_key(data, model.model_id, cfg, options) if kind == "video" else content_hash(data, model.salt)
+            for kind, data in zip(kinds, fetched)]
+    items = [_Item(kind, data, key) for kind, data, key in zip(kinds, fetched, keys)]
+    return _work(req, model, request_id, reply_to, prompt, items, options)
 
 
 async def completion_work(req: CompletionRequest, model: ModelInfo, request_id: str, reply_to: str) -> Work:
@@ -58,11 +73,12 @@ async def completion_work(req: CompletionRequest, model: ModelInfo, request_id: 
             raise ApiError(f"prompt token ids must be in [0, {vocab})", param="prompt")
     if not ids:
         raise ApiError("the prompt is empty", param="prompt")
-    return _work(req, model, request_id, reply_to, ids, [], [], [])
+    return _work(req, model, request_id, reply_to, MultimodalPrompt(ids, [], []), [], None)
 
 
-def _plain_messages(req: ChatCompletionRequest) -> tuple[list[dict], list[str]]:
-    """Messages as the chat template expects them, and the image URLs in order."""
+def _plain_messages(req: ChatCompletionRequest) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Messages as the chat template expects them, and the (kind, URL) of
+    each image and video, in order."""
     messages, urls = [], []
     for m in req.messages:
         if m.content is None or isinstance(m.content, str):
@@ -73,8 +89,11 @@ def _plain_messages(req: ChatCompletionRequest) -> tuple[list[dict], list[str]]:
             if part.type == "text":
                 parts.append({"type": "text", "text": part.text or ""})
             elif part.type == "image_url":
-                urls.append(image_url_of(part))
+                urls.append(("image", image_url_of(part)))
                 parts.append({"type": "image"})
+            elif part.type == "video_url":
+                urls.append(("video", video_url_of(part)))
+                parts.append({"type": "video"})
             else:
                 raise ApiError(f"unsupported content part type {part.type!r}", param="messages")
         messages.append({"role": m.role, "content": parts})
@@ -91,8 +110,16 @@ def _checked_size(number: int, data: bytes, model: ModelInfo) -> tuple[int, int]
     return height, width
 
 
-def _work(req, model: ModelInfo, request_id: str, reply_to: str, ids: list[int], spans, grids,
-          images: list[bytes]) -> Work:
+@dataclass(frozen=True)
+class _Item:
+    kind: str     # "image" or "video"
+    media: bytes
+    key: str      # its salted content hash
+
+
+def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: MultimodalPrompt, items: list[_Item],
+          options: VideoOptions | None) -> Work:
+    ids = prompt.token_ids
     room = model.max_context - len(ids)
     max_tokens = req.max_completion_tokens or req.max_tokens or room
     if max_tokens < 1 or len(ids) + max_tokens > model.max_context:
@@ -109,13 +136,21 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, ids: list[int],
         _check_sampling(sampling)
     except ValueError as exc:
         raise ApiError(str(exc)) from None
-    keys = tuple(content_hash(data, model.salt) for data in images)
+    span_items = prompt.item_of_span()
+    item_tokens = [0] * len(items)
+    for (_, length), item in zip(prompt.image_spans, span_items):
+        item_tokens[item] += length
     # In EPD mode pixels never go to a generator: encoders hand it embeddings.
-    media = tuple(images) if model.aggregated else ()
-    request = protocol.GenerateRequest(request_id, tuple(ids), tuple(spans), keys, tuple(grids), sampling,
-                                       reply_to, media)
-    jobs = [protocol.EncodeJob(f"{request_id}/{i}", request_id, key, data, "", length, reply_to)
-            for i, (key, data, (_, length)) in enumerate(zip(keys, images, spans))]
+    media = tuple(item.media for item in items) if model.aggregated else ()
+    kinds = tuple(item.kind for item in items) if model.aggregated else ()
+    fps, frames = (options.fps, options.num_frames) if options is not None else (None, None)
+    request = protocol.GenerateRequest(request_id, tuple(ids), tuple(prompt.image_spans),
+                                       tuple(items[i].key for i in span_items), tuple(prompt.grids), sampling,
+                                       reply_to, media, tuple(prompt.seconds_per_grid), kinds, fps, frames)
+    jobs = [protocol.EncodeJob(f"{request_id}/{i}", request_id, item.key, item.media, "", tokens, reply_to,
+                               item.kind, fps if item.kind == "video" else None,
+                               frames if item.kind == "video" else None)
+            for i, (item, tokens) in enumerate(zip(items, item_tokens))]
     return Work(request, jobs, len(ids) + max_tokens)
 
 
