@@ -152,7 +152,8 @@ def test_request_lengths_image_counts_and_reuse():
 
 def test_bucket_config_normalized():
     assert parse_bucket_config("{(4, 4, 1): 1, (8, 8, 1): 3}") == {(4, 4, 1): 0.25, (8, 8, 1): 0.75}
-    for bad in ("{(4, 4): 1}", "{(4, 4, 2): 1}", "[1]", "{(4, 4, 1): -1}", "{(4, 4, 1): 0}"):
+    assert parse_bucket_config("{(4, 4, 16): 1}") == {(4, 4, 16): 1.0}   # a clip of 16 frames
+    for bad in ("{(4, 4): 1}", "{(4, 4, 0): 1}", "[1]", "{(4, 4, 1): -1}", "{(4, 4, 1): 0}"):
         with pytest.raises(ValueError):
             parse_bucket_config(bad)
 

@@ -62,7 +62,7 @@ async def fetch_default_model(session: aiohttp.ClientSession, base_url: str) -> 
 
 def build_payload(model: str, req: BenchRequest) -> dict:
     content: list[dict] = [{"type": "text", "text": req.prompt}]
-    content += [{"type": "image_url", "image_url": {"url": url}} for url in req.image_urls]
+    content += req.content_parts()
     return {
         "model": model,
         "messages": [{"role": "user", "content": content}],

@@ -1,5 +1,6 @@
-"""The `random-mm` workload: random text plus random-noise JPEG images, and
-the open-loop arrival schedule.
+"""The `random-mm` workload: random text plus random-noise JPEG images (and,
+for buckets of T > 1 frames, generated clips: clips.py), and the open-loop
+arrival schedule.
 
 Images are cheap to make: a few noise JPEGs per size bucket are encoded once
 per process (PIXEL_POOL_SIZE), and every image sent is one of them with a
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
+
+from pipeline.bench.clips import CLIP_POOL_SIZE, GeneratedClip
 
 WORDS = (
     "the of and to in is that it was for on are as with his they at be this have from "
@@ -104,6 +107,9 @@ class NoiseImage:
     pool_index: int
     nonce: str
 
+    def content_part(self) -> dict:
+        return {"type": "image_url", "image_url": {"url": self.data_url()}}
+
     def data_url(self) -> str:
         payload = self.nonce.encode("ascii")
         # SOI, marker and length take 6 bytes; a payload of a multiple of 3
@@ -120,27 +126,30 @@ class BenchRequest:
     prompt: str
     prompt_len: int
     output_len: int
-    images: tuple[NoiseImage, ...]
+    images: tuple[NoiseImage | GeneratedClip, ...]   # images and (T > 1 buckets) clips
 
     @property
     def image_urls(self) -> tuple[str, ...]:
         """The images as data URLs, built on each call (see the module docstring)."""
-        return tuple(image.data_url() for image in self.images)
+        return tuple(image.data_url() for image in self.images if isinstance(image, NoiseImage))
+
+    def content_parts(self) -> list[dict]:
+        """Each item's OpenAI content part, built on each call."""
+        return [item.content_part() for item in self.images]
 
 
 def parse_bucket_config(text: str) -> dict[Bucket, float]:
-    """Parse `{(H, W, 1): p, ...}`; probabilities are normalized to sum to 1."""
+    """Parse `{(H, W, T): p, ...}` (T = 1 an image, T > 1 a clip of T frames);
+    probabilities are normalized to sum to 1."""
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         raise ValueError(f"--random-mm-bucket-config is not a Python literal dict: {text!r}") from None
     if not isinstance(value, dict) or not value:
-        raise ValueError("--random-mm-bucket-config must be a non-empty dict {(H, W, 1): probability}")
+        raise ValueError("--random-mm-bucket-config must be a non-empty dict {(H, W, T): probability}")
     for key, prob in value.items():
         if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(k, int) and k >= 1 for k in key)):
-            raise ValueError(f"--random-mm-bucket-config key {key!r} must be (H, W, 1) with positive ints")
-        if key[2] != 1:
-            raise ValueError(f"--random-mm-bucket-config key {key!r}: only images (T=1) are supported")
+            raise ValueError(f"--random-mm-bucket-config key {key!r} must be (H, W, T) with positive ints")
         if not isinstance(prob, (int, float)) or not prob >= 0:
             raise ValueError(f"--random-mm-bucket-config probability for {key!r} must be a number >= 0")
     total = float(sum(value.values()))
@@ -168,15 +177,26 @@ class _ImageSource:
         # sends other bytes and does not hit caches an earlier run warmed.
         self.run_token = int(rng.integers(2 ** 62))
 
-    def draw(self, request_index: int, item_index: int) -> NoiseImage:
+    def draw(self, request_index: int, item_index: int) -> NoiseImage | GeneratedClip:
         bucket = self.buckets[int(self.rng.choice(len(self.buckets), p=self.probs))]
-        height, width, _ = bucket
+        height, width, frames = bucket
+        if frames > 1:
+            return self._clip(height, width, frames, request_index, item_index)
         if self.rng.random() >= self.reuse:
             pixels = int(self.rng.integers(PIXEL_POOL_SIZE))
             return NoiseImage(height, width, pixels, f"epd-bench {self.run_token} {request_index} {item_index}")
         slot = int(self.rng.integers(POOL_SIZE_PER_BUCKET))
         return NoiseImage(height, width, slot % PIXEL_POOL_SIZE,
                           f"epd-bench {self.run_token} reuse {height}x{width} {slot}")
+
+
+    def _clip(self, height: int, width: int, frames: int, request_index: int, item_index: int) -> GeneratedClip:
+        if self.rng.random() >= self.reuse:
+            pool = int(self.rng.integers(CLIP_POOL_SIZE))
+            return GeneratedClip(height, width, frames, pool, f"epd-bench {self.run_token} {request_index} {item_index}")
+        slot = int(self.rng.integers(POOL_SIZE_PER_BUCKET))
+        return GeneratedClip(height, width, frames, slot % CLIP_POOL_SIZE,
+                             f"epd-bench {self.run_token} reuse {height}x{width}x{frames} {slot}")
 
 
 def sample_requests(cfg: RandomMMConfig, rng: np.random.Generator) -> list[BenchRequest]:
