@@ -133,3 +133,17 @@ def wait_for_metrics_to_settle(read, quiet_s: float = 1.2) -> float:
         if now != value:
             value, since = now, time.monotonic()
     return value
+
+
+def test_epd_bench_video_buckets_run_against_the_stack(served, tmp_path):
+    # The common bench client's (H, W, T) buckets with T > 1: generated clips.
+    _, stack = served
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, str(REPO / "bin" / "epd-bench"), "--base-url", stack.base_url,
+                          "--num-prompts", "3", "--request-rate", "inf", "--random-input-len", "6",
+                          "--random-output-len", "4", "--random-mm-base-items-per-request", "1",
+                          "--random-mm-bucket-config", "{(48, 64, 8): 1.0}", "--no-progress", "--json", str(out)],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["completed"] == 3 and result["failed"] == 0, result["errors"]
