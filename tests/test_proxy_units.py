@@ -43,6 +43,8 @@ def test_image_url_policy(tmp_path):
         run(fetch_image("data:image/png,rawtext", FetchPolicy()))
     with pytest.raises(ApiError, match="larger than"):
         run(fetch_image(url, FetchPolicy(max_bytes=4)))
+    with pytest.raises(ApiError, match="^video larger than 4 bytes"):   # the error names the kind
+        run(fetch_image(url, FetchPolicy(max_bytes=4), kind="video"))
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     (allowed / "a.png").write_bytes(data)

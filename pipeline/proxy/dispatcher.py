@@ -230,7 +230,8 @@ class Dispatcher:
             log.warning("encode job %s failed on %s (%s): sent to another encoder", failed.job_id,
                         failed.encoder_id, failed.reason)
             return
-        self._fail(flight, f"image could not be encoded: {failed.reason}", 500 if failed.retryable else 400)
+        # The reason names the item ("bad image: ...", "bad video: ...").
+        self._fail(flight, f"media could not be encoded: {failed.reason}", 500 if failed.retryable else 400)
 
     def fail_all(self, reason: str, status: int) -> None:
         """End every request in flight with an error (a proxy that stops)."""

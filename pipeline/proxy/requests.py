@@ -42,7 +42,7 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     if len(media) > model.max_images:
         raise ApiError(f"too many images and videos: {len(media)} (at most {model.max_images} per request)",
                        param="messages")
-    fetched = await asyncio.gather(*(fetch_image(url, policy, session) for _, url in media))
+    fetched = await asyncio.gather(*(fetch_image(url, policy, session, kind) for kind, url in media))
     kinds = [kind for kind, _ in media]
     images = [data for kind, data in zip(kinds, fetched) if kind == "image"]
     videos = [data for kind, data in zip(kinds, fetched) if kind == "video"]
