@@ -7,8 +7,8 @@
 
 --layout epd: bin/epd-launch --encoders 1 --generators 1 --placement colocated
 (so the launcher starts its own MPS daemon on the shared GPU); aggregated:
---mode aggregated --generators 1. Both with --random-weights qwen2.5-vl-3b
---dtype bfloat16 --device cuda --gpus 0 and the same stage flags. Per
+--mode aggregated --generators 1. Both with --random-weights SHAPE (--shape,
+default qwen2.5-vl-3b) --dtype bfloat16 --device cuda --gpus 0 and the same stage flags. Per
 workload I:T[:STEPS[:LOW:HIGH]] (images of 640x640, T text tokens, 150 output
 tokens): a warm-up burst, then epd-bench's sustained goodput search
 (--step-s of arrivals per step, the first --warmup-s of them warm-up; a step
@@ -20,7 +20,8 @@ fixed-rate run of that mixed load (the interference run) at
 --interference-rate, or at the maximum read from a result file
 (--interference-from), or at this run's own mixed maximum. Every run saves
 its per-request records (epd-bench --save-detailed). --tiny runs all of it
-on the CPU with the tiny model. Writes OUT/<layout>-<I>img-<T>tok.json per
+on the CPU with the tiny model (or --shape's random weights, for a tiny
+shape). Writes OUT/<layout>-<I>img-<T>tok.json per
 search, OUT/<layout>-mixed-search.json, OUT/<layout>-mixed.json,
 OUT/<layout>-summary.json and logs/.
 """
@@ -62,6 +63,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=150)
     p.add_argument("--image-size", type=int, default=640)
     p.add_argument("--launch-arg", action="append", default=[], help="extra bin/epd-launch flag")
+    p.add_argument("--shape", default="qwen2.5-vl-3b", help="the --random-weights shape served")
     p.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (a smoke test)")
     return p.parse_args(argv)
 
@@ -70,8 +72,9 @@ def launch_args(args: argparse.Namespace) -> list[str]:
     layout = (["--encoders", "1", "--generators", "1", "--placement", "colocated"] if args.layout == "epd" else
               ["--mode", "aggregated", "--generators", "1"])
     if args.tiny:
-        return [*layout, "--device", "cpu", *args.launch_arg]
-    return [*layout, "--gpus", "0", "--random-weights", "qwen2.5-vl-3b", "--dtype", "bfloat16", "--device", "cuda",
+        shape = ["--random-weights", args.shape] if args.shape.endswith("-tiny") else []
+        return [*layout, "--device", "cpu", *shape, *args.launch_arg]
+    return [*layout, "--gpus", "0", "--random-weights", args.shape, "--dtype", "bfloat16", "--device", "cuda",
             *[f"--stage-arg={a}" for a in STAGE_ARGS], *args.launch_arg]
 
 

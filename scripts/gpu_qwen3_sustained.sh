@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 15's last acceptance line: sustained goodput of EPD (1E+1G colocated
+# under MPS) against aggregated for the Qwen3-VL-4B shape (random bf16
+# weights) on one H200, at 4 images / 400 tokens and 1 image / 400 tokens,
+# under issue 14's rule (40 s steps, the first 10 s warm-up). One layout per
+# device call of at most 10 minutes; the second call's brackets come from the
+# first's maxima:
+#   run(command="PHASE=agg bash scripts/gpu_qwen3_sustained.sh", carry=[".whl"])
+#   run(command="PHASE=epd B4=LOW:HIGH B1=LOW:HIGH bash scripts/gpu_qwen3_sustained.sh", carry=[".whl"])
+# TINY=1 runs the same on the CPU with the tiny Qwen3-VL shape.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+exec > >(tee "$OUT/log.txt") 2>&1
+if [ "${TINY:-0}" != 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+  shape=qwen3-vl-4b; rule=(--step-s 40 --warmup-s 10); limit=560
+else
+  shape=qwen3-vl-tiny; rule=(--tiny --image-size 224 --output-len 16 --step-s 8 --warmup-s 2); limit=400
+fi
+export PYTHONUNBUFFERED=1
+R=/tmp/qwen3; mkdir -p "$R"
+(while sleep 20; do tar czf "$OUT/partial.tgz" -C /tmp qwen3 2>/dev/null; done) &
+if [ "$PHASE" = agg ]; then
+  layout=aggregated; w4="4:400:3:${B4:-10:18}"; w1="1:400:3:${B1:-24:42}"
+else
+  layout=epd; w4="4:400:3:${B4:?the bracket from aggregated}"; w1="1:400:3:${B1:?the bracket from aggregated}"
+fi
+timeout "$limit" python3 scripts/gpu_sustained.py --layout "$layout" --out "$R/$layout" --shape "$shape" \
+  "${rule[@]}" --workload "$w4" --workload "$w1"
+rc=$?
+kill %1 2>/dev/null
+cp "$R/$layout/$layout-summary.json" "$OUT/" 2>/dev/null
+tar czf "$OUT/qwen3-$layout.tgz" -C /tmp qwen3 && rm -f "$OUT/partial.tgz"
+ls "$OUT"
+exit $rc
