@@ -23,9 +23,9 @@ export PYTHONUNBUFFERED=1
 R=/tmp/qwen3; mkdir -p "$R"
 (while sleep 20; do tar czf "$OUT/partial.tgz" -C /tmp qwen3 2>/dev/null; done) &
 if [ "$PHASE" = agg ]; then
-  layout=aggregated; w4="4:400:3:${B4:-10:18}"; w1="1:400:3:${B1:-24:42}"
+  layout=aggregated; w4="4:400:${S4:-4}:${B4:-8:18}"; w1="1:400:${S1:-3}:${B1:-22:44}"
 else
-  layout=epd; w4="4:400:3:${B4:?the bracket from aggregated}"; w1="1:400:3:${B1:?the bracket from aggregated}"
+  layout=epd; w4="4:400:${S4:-4}:${B4:?the bracket from aggregated}"; w1="1:400:${S1:-3}:${B1:?the bracket from aggregated}"
 fi
 timeout "$limit" python3 scripts/gpu_sustained.py --layout "$layout" --out "$R/$layout" --shape "$shape" \
   "${rule[@]}" --workload "$w4" --workload "$w1"
