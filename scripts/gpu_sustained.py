@@ -9,7 +9,7 @@
 (so the launcher starts its own MPS daemon on the shared GPU); aggregated:
 --mode aggregated --generators 1. Both with --random-weights SHAPE (--shape,
 default qwen2.5-vl-3b) --dtype bfloat16 --device cuda --gpus 0 and the same stage flags. Per
-workload I:T[:STEPS[:LOW:HIGH]] (images of 640x640, T text tokens, 150 output
+workload I:T[:STEPS[:LOW:HIGH]] (I images of 640x640, or clips with --video; T text tokens, 150 output
 tokens): a warm-up burst, then epd-bench's sustained goodput search
 (--step-s of arrivals per step, the first --warmup-s of them warm-up; a step
 passes with no failure, P99 TTFT <= 2 s, P99 TPOT <= 50 ms and achieved >=
@@ -62,6 +62,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, default=4.0, help="warm-up seconds at the start of every run")
     p.add_argument("--output-len", type=int, default=150)
     p.add_argument("--image-size", type=int, default=640)
+    p.add_argument("--video", metavar="H,W,T", help="send clips of T frames at HxW (epd-bench's video "
+                   "bucket) instead of images: a workload's I counts clips")
     p.add_argument("--launch-arg", action="append", default=[], help="extra bin/epd-launch flag")
     p.add_argument("--shape", default="qwen2.5-vl-3b", help="the --random-weights shape served")
     p.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (a smoke test)")
@@ -78,11 +80,17 @@ def launch_args(args: argparse.Namespace) -> list[str]:
             *[f"--stage-arg={a}" for a in STAGE_ARGS], *args.launch_arg]
 
 
+def media_bucket(args: argparse.Namespace) -> str:
+    if args.video:
+        height, width, frames = (int(v) for v in args.video.split(","))
+        return f"{{({height}, {width}, {frames}): 1.0}}"
+    return f"{{({args.image_size}, {args.image_size}, 1): 1.0}}"
+
+
 def workload_flags(args: argparse.Namespace, images: int, text: int, text_only: float = 0.0) -> list[str]:
-    size = args.image_size
     return ["--random-input-len", str(text), "--random-output-len", str(args.output_len),
             "--random-mm-base-items-per-request", str(images), "--text-only-fraction", f"{text_only:g}",
-            "--random-mm-bucket-config", f"{{({size}, {size}, 1): 1.0}}", "--no-progress",
+            "--random-mm-bucket-config", media_bucket(args), "--no-progress",
             "--warmup-s", f"{args.warmup_s:g}", "--save-detailed"]
 
 
@@ -106,7 +114,8 @@ def predicted_rate(args: argparse.Namespace, images: int, text: int) -> float:
 
 def search(args: argparse.Namespace, stack: LaunchedStack, images: int, text: int, steps: int,
            bracket: tuple[float, float] | None = None, text_only: float = 0.0) -> dict:
-    name = f"{args.layout}-mixed-search" if text_only else f"{args.layout}-{images}img-{text}tok"
+    item = "vid" if args.video else "img"
+    name = f"{args.layout}-mixed-search" if text_only else f"{args.layout}-{images}{item}-{text}tok"
     rate = predicted_rate(args, images, text) if bracket is None else sum(bracket) / 2
     low, high = bracket or (0.7 * rate, 1.4 * rate)
     log = args.out / "logs" / f"{name}.log"

@@ -26,7 +26,7 @@ from pipeline.arena.store import ArenaStore
 from pipeline.arg_parser import OneLineParser
 from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.encoder.service import EncoderService, EncoderSettings
-from pipeline.media.registry import create_backend
+from pipeline.media.registry import create_backend, create_video_backend
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config, resolve_device
 from pipeline.models.stage_model import add_random_weights_flag, load_stage_model, stage_model_dir
@@ -57,7 +57,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: bfloat16 on CUDA, float32 on CPU")
     add_cpu_threads_flag(p)
-    p.add_argument("--media-backend", default="auto", help="auto, pillow, dali or nvjpeg")
+    p.add_argument("--media-backend", default="auto", help="image decoder: auto, pillow, dali or nvjpeg")
+    p.add_argument("--video-backend", default="auto",
+                   help="video decoder: auto (DALI's NVDEC on CUDA, else PyAV), pyav or dali")
     p.add_argument("--arena-mib", type=int, default=None,
                    help=f"embedding arena size (default: {CUDA_ARENA_MIB} on CUDA, {CPU_ARENA_MIB} elsewhere)")
     p.add_argument("--block-kib", type=int, default=64, help="arena block size")
@@ -110,6 +112,8 @@ async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: trans
     family, config = load_config(model_dir)
     video_config = video_config_of(model_dir, video_tokens_of(family.spec(config)))
     media = create_backend(args.media_backend, device)
+    video_media = create_video_backend(args.video_backend, device)
+    cleanup.callback(video_media.close)
     arena_mib = args.arena_mib or (CUDA_ARENA_MIB if device.type == "cuda" else CPU_ARENA_MIB)
     store = ArenaStore(arena_mib << 20, args.block_kib << 10, device, args.instance, args.lease_timeout)
     cleanup.callback(store.close)
@@ -119,12 +123,13 @@ async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: trans
     compute_pool = cleanup.enter_context(ThreadPoolExecutor(1, "compute"))
     service = EncoderService(settings, store, tower, media, image_config, outbox.try_send,
                              decode_pool, compute_pool,
-                             stage_vision_forward(tower, device, args, image_config), video_config)
+                             stage_vision_forward(tower, device, args, image_config), video_config,
+                             video_media)
     cleanup.callback(service.lanes.close)
     for address in args.announce_to:
         service.handle_hello(address)
-    log.info("encoder %s ready on %s (device %s, media %s, arena %d MiB, %d CPU threads)", args.instance,
-             args.address, device, media.name, arena_mib, torch.get_num_threads())
+    log.info("encoder %s ready on %s (device %s, media %s, video %s, arena %d MiB, %d CPU threads)",
+             args.instance, args.address, device, media.name, video_media.name, arena_mib, torch.get_num_threads())
     await _until_stopped(service.run(), _receive(inbox, service))
 
 

@@ -31,8 +31,8 @@ from pipeline.engine.kv_budget import (
 from pipeline.generator.internal import AskerRestarted, prepare
 from pipeline.generator.service import GeneratorService
 from pipeline.incarnations import Incarnations
-from pipeline.media.registry import create_backend
-from pipeline.media.video_cpu import decode_video
+from pipeline.media.registry import create_backend, create_video_backend
+from pipeline.media.video_backend import VideoClip
 from pipeline.media.video_probe import VideoDecodeError
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import resolve_device
@@ -92,6 +92,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--local-encode-tokens", type=int, default=8192, help="aggregated mode: per step")
     p.add_argument("--embedding-timeout", type=float, default=60.0, help="seconds an image may take")
     p.add_argument("--media-backend", default="auto", help="aggregated mode: image decoder")
+    p.add_argument("--video-backend", default="auto", help="aggregated mode: video decoder (auto, pyav, dali)")
     p.add_argument("--decode-matmul", choices=("cublas", "triton"), default=None,
                    help="CUDA: decode steps' projections through cuBLAS or the small-batch Triton matmul "
                         "(default: triton wherever the fused decode kernels run)")
@@ -135,7 +136,7 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
     decode = None
     if aggregated:
         video_config = video_config_of(model_dir, video_tokens_of(engine.model.spec))
-        decode = media_decoder(args.media_backend, device, model_dir, video_config)
+        decode = media_decoder(args.media_backend, args.video_backend, device, model_dir, video_config)
     # Last: nothing after it may fail and leave the rings' shared memory behind.
     rings = {} if aggregated else ring.create_inbound(args.instance, args.encoders)
     return GeneratorService(engine, args.address, device, send, args.encoders, args.embedding_timeout, decode,
@@ -173,10 +174,11 @@ def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: tor
                       f"{reserve / GIB:.1f} GiB kept for activations, CUDA graphs and image embeddings")
 
 
-def media_decoder(backend: str, device, model_dir: Path, video_config):
+def media_decoder(backend: str, video_backend: str, device, model_dir: Path, video_config):
     """Aggregated mode: a request's media -> [(pixel_values, grid)] per item,
     ValueError for a bad image or video."""
     media = create_backend(backend, device)
+    videos = create_video_backend(video_backend, device) if video_config is not None else None
     image_config = ImageProcessorConfig.from_checkpoint(model_dir)
 
     def decode_images(blobs):
@@ -186,25 +188,24 @@ def media_decoder(backend: str, device, model_dir: Path, video_config):
             raise ValueError(f"bad image: {bad[0]}")
         return [(r.pixel_values, r.grid) for r in results]
 
+    def decode_videos(blobs, options):
+        if videos is None:
+            raise ValueError("this model takes no video")
+        results = videos.decode([VideoClip(data, options) for data in blobs], video_config)
+        bad = [str(r) for r in results if isinstance(r, VideoDecodeError)]
+        if bad:
+            raise ValueError(f"bad video: {bad[0]}")
+        return [(r.pixel_values, r.plan.grid) for r in results]
+
     def decode(request: protocol.GenerateRequest):
         kinds = request.media_kinds or ("image",) * len(request.media)
-        images = iter(decode_images([m for m, k in zip(request.media, kinds) if k == "image"]))
         options = None
         if request.video_fps is not None or request.video_frames is not None:
             options = VideoOptions(request.video_fps, request.video_frames)
-        out = []
-        for data, kind in zip(request.media, kinds):
-            if kind == "image":
-                out.append(next(images))
-                continue
-            if video_config is None:
-                raise ValueError("this model takes no video")
-            try:
-                video = decode_video(data, video_config, options)
-            except VideoDecodeError as exc:
-                raise ValueError(f"bad video: {exc}") from None
-            out.append((video.pixel_values, video.plan.grid))
-        return out
+        images = iter(decode_images([m for m, k in zip(request.media, kinds) if k == "image"]))
+        clips = [m for m, k in zip(request.media, kinds) if k == "video"]
+        decoded_clips = iter(decode_videos(clips, options) if clips else ())
+        return [next(images) if kind == "image" else next(decoded_clips) for kind in kinds]
 
     return decode
 

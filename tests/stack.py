@@ -27,7 +27,8 @@ class Stack:
     """An encoder/generator/proxy set of processes on the tiny model."""
 
     def __init__(self, run_dir: Path, model_dir: Path, encoders: int, generators: int, aggregated: bool = False,
-                 generator_args: tuple[str, ...] = (), proxy_args: tuple[str, ...] = ()) -> None:
+                 generator_args: tuple[str, ...] = (), proxy_args: tuple[str, ...] = (),
+                 encoder_args: tuple[str, ...] = ()) -> None:
         self.run_dir = run_dir
         self.port = free_port()
         self.log = open(run_dir / "stack.log", "w")
@@ -43,7 +44,8 @@ class Stack:
         common = ["--model", str(model_dir), "--device", "cpu", "--cpu-threads", str(threads)]
         for i, address in enumerate(enc):
             self._start(f"enc{i}", ["stages.encoder", "--address", address, "--instance", self.encoder_instances[i],
-                                    "--media-backend", "pillow", "--model-id", "tiny", "--arena-mib", "16", *common])
+                                    "--media-backend", "pillow", "--model-id", "tiny", "--arena-mib", "16", *common,
+                                    *encoder_args])
         for i, address in enumerate(gen):
             mode = ["--mode", "aggregated", "--media-backend", "pillow"] if aggregated else []
             self._start(f"gen{i}", ["stages.generator", "--address", address, "--instance", self.generator_instances[i],

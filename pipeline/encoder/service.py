@@ -28,7 +28,7 @@ from pipeline.encoder.single_flight import SingleFlight
 from pipeline.hashing import content_hash, media_salt
 from pipeline.incarnations import Incarnations
 from pipeline.media.base import DecodedImage, MediaBackend
-from pipeline.media.video_cpu import decode_video
+from pipeline.media.video_backend import PyAVVideoBackend, VideoBackend, VideoClip
 from pipeline.media.video_probe import VideoDecodeError
 from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
 from pipeline.processing.video import VideoOptions, video_settings_key
@@ -67,7 +67,8 @@ class EncoderService:
                  send: Callable[[str, protocol.Message], bool],
                  decode_pool: Executor, compute_pool: Executor,
                  forward: Callable[[torch.Tensor, list], list[torch.Tensor]] | None = None,
-                 video_config: VideoProcessorConfig | None = None) -> None:
+                 video_config: VideoProcessorConfig | None = None,
+                 video_media: VideoBackend | None = None) -> None:
         self.settings = settings
         self.store = store
         self.tower = tower
@@ -79,6 +80,7 @@ class EncoderService:
         self.decode_pool = decode_pool
         self.compute_pool = compute_pool
         self.video_config = video_config   # None: this model takes no video
+        self.video_media = video_media or PyAVVideoBackend()
         self.salt = media_salt(settings.model_id, image_config.settings_key())
         self.flight: SingleFlight[protocol.EncodeJob] = SingleFlight()
         self.to_decode: list[tuple[str, protocol.EncodeJob]] = []
@@ -200,7 +202,7 @@ class EncoderService:
             started = time.perf_counter()
             images = [(key, job) for key, job in items if job.modality == "image"]
             videos = [(key, job) for key, job in items if job.modality == "video"]
-            await asyncio.gather(self._decode_images(images), *(self._decode_video(key, job) for key, job in videos))
+            await asyncio.gather(self._decode_images(images), self._decode_videos(videos))
             self.busy["decode_s"] += time.perf_counter() - started
             self.busy["decode_images"] += len(items)
 
@@ -226,21 +228,33 @@ class EncoderService:
             else:
                 self._queue_decoded(key, result)
 
-    async def _decode_video(self, key: str, job: protocol.EncodeJob) -> None:
-        """One clip on a decode thread (PyAV on the CPU): its planned frames,
-        preprocessed as the checkpoint's reference video processor does."""
+    async def _decode_videos(self, items: list[tuple[str, protocol.EncodeJob]]) -> None:
+        """This round's clips in one call of the video backend, on a decode
+        thread: their planned frames, preprocessed as the checkpoint's
+        reference video processor does."""
+        keys, clips = [], []
+        for key, job in items:
+            try:
+                clips.append(VideoClip(job.media, job_video_options(job)))
+                keys.append(key)
+            except ValueError as exc:
+                self._fail_all(key, f"bad video options: {exc}", retryable=False)
+        if not clips:
+            return
         loop = asyncio.get_running_loop()
         try:
-            video = await loop.run_in_executor(self.decode_pool, decode_video, job.media, self.video_config,
-                                               job_video_options(job))
-        except VideoDecodeError as exc:
-            self._fail_all(key, f"bad video: {exc}", retryable=False)
+            results = await loop.run_in_executor(self.decode_pool, self.video_media.decode, clips,
+                                                 self.video_config)
+        except Exception as exc:   # as for images: these clips' jobs fail, the encoder goes on
+            log.exception("decoding %d video(s) failed", len(clips))
+            for key in keys:
+                self._fail_all(key, f"encoder error while decoding: {exc}", retryable=True)
             return
-        except Exception as exc:   # as for images: this clip's jobs fail, the encoder goes on
-            log.exception("decoding a video failed")
-            self._fail_all(key, f"encoder error while decoding: {exc}", retryable=True)
-            return
-        self._queue_decoded(key, DecodedImage(video.pixel_values, video.plan.grid, video.plan.source_size))
+        for key, video in zip(keys, results):
+            if isinstance(video, VideoDecodeError):
+                self._fail_all(key, f"bad video: {video}", retryable=False)
+            else:
+                self._queue_decoded(key, DecodedImage(video.pixel_values, video.plan.grid, video.plan.source_size))
 
     def _queue_decoded(self, key: str, decoded: DecodedImage) -> None:
         self.decoded.append(_Decoded(key, decoded, self.tower.tokens_per_image(decoded.grid)))

@@ -54,7 +54,40 @@ class DecodedImage:
     source_size: tuple[int, int]
 
 
-class MediaBackend(ABC):
+class Backend(ABC):
+    """What image and video backends share: a name, a device, a tolerance,
+    and resources released by `close` (or a with-block)."""
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """Registry name ("pillow", "dali", "nvjpeg"; "pyav", "dali")."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where `pixel_values` are returned."""
+
+    @property
+    def tolerance(self) -> Tolerance:
+        """The largest difference from the reference processor this backend's
+        outputs may show (documented per backend, checked by the tests)."""
+        return EXACT
+
+    def close(self) -> None:
+        """Release threads and device resources; the base holds none."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, device={str(self.device)!r})"
+
+
+class MediaBackend(Backend):
     """Decodes and preprocesses batches of encoded images.
 
     Contract:
@@ -72,35 +105,7 @@ class MediaBackend(ABC):
       threads and device resources, after which it must not be used.
     """
 
-    @property
-    @abstractmethod
-    def name(self) -> str:
-        """Registry name: "pillow", "dali" or "nvjpeg"."""
-
-    @property
-    @abstractmethod
-    def device(self) -> torch.device:
-        """Where `pixel_values` are returned."""
-
-    @property
-    def tolerance(self) -> Tolerance:
-        """The largest difference from the reference processor this backend's
-        outputs may show (documented per backend, checked by the tests)."""
-        return EXACT
-
     @abstractmethod
     def decode(self, blobs: list[bytes],
                cfg: ImageProcessorConfig) -> list[DecodedImage | ImageDecodeError]:
         """Decode and preprocess `blobs`; see the class contract."""
-
-    def close(self) -> None:
-        """Release threads and device resources; the base holds none."""
-
-    def __enter__(self) -> MediaBackend:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, device={str(self.device)!r})"

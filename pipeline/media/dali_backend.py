@@ -76,6 +76,20 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def dali_place(ndd: Any, device: torch.device,
+               num_threads: int) -> tuple[torch.device, torch.cuda.Stream | None, Any, str]:
+    """Where a DALI backend runs: (device, DALI's own stream or None, the
+    evaluation context, the operators' device name)."""
+    if device.type != "cuda":
+        return torch.device("cpu"), None, ndd.EvalContext(num_threads=num_threads), "cpu"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    # DALI works on its own stream; decode() orders it against the caller's
+    # current stream in both directions (see stream_handoff).
+    stream = torch.cuda.Stream(torch.device("cuda", index))
+    ctx = ndd.EvalContext(num_threads=num_threads, device_id=index, cuda_stream=stream)
+    return torch.device("cuda", index), stream, ctx, "gpu"  # "gpu": dynamic mode's name for "mixed"
+
+
 class DaliBackend(MediaBackend):
     """DALI decode + resize; torch normalise + patchify. See the module docstring."""
 
@@ -89,20 +103,7 @@ class DaliBackend(MediaBackend):
         num_threads = self._pool.num_threads
         self._ndd, self._types = _import_dali()
         self._tables: dict[ImageProcessorConfig, torch.Tensor] = {}
-        if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            self._device = torch.device("cuda", index)
-            # DALI works on its own stream; decode() orders it against the
-            # caller's current stream in both directions (see _stream_handoff).
-            self._stream = torch.cuda.Stream(self._device)
-            self._ctx = self._ndd.EvalContext(num_threads=num_threads, device_id=index,
-                                              cuda_stream=self._stream)
-            self._op_device = "gpu"  # dynamic mode's name for the "mixed" decoder
-        else:
-            self._device = torch.device("cpu")
-            self._stream = None
-            self._ctx = self._ndd.EvalContext(num_threads=num_threads)
-            self._op_device = "cpu"
+        self._device, self._stream, self._ctx, self._op_device = dali_place(self._ndd, device, num_threads)
         self._warm_up()
 
     @property
@@ -126,7 +127,7 @@ class DaliBackend(MediaBackend):
                                    from_pillow=lambda rgb: rgb, label="DALI", cpu_map=self._pool.map)
             resized = self._resize(images, headers)
             table = self._table(cfg)
-            with _stream_handoff(self._stream):
+            with stream_handoff(self._stream):
                 for i, rgb in resized.items():
                     header = headers[i]
                     slots[i] = DecodedImage(patchify(rgb, cfg, table), header.grid, header.source_size)
@@ -188,7 +189,7 @@ class DaliBackend(MediaBackend):
 
 
 @contextmanager
-def _stream_handoff(dali_stream: torch.cuda.Stream | None) -> Iterator[None]:
+def stream_handoff(dali_stream: torch.cuda.Stream | None) -> Iterator[None]:
     """Order torch work on the caller's stream after DALI's, and DALI's next
     work after torch's: the tensors torch reads are DALI's own buffers (DLPack),
     which DALI may reuse once they are released."""
