@@ -7,7 +7,9 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
+from msgspec.structs import replace as msgspec_replace
 
 from conftest import image_bytes, random_image
 from pipeline import protocol
@@ -133,3 +135,68 @@ def test_leases_of_a_consumer_restarted_in_place_are_dropped(tiny_dir):
         asyncio.run(scenario())
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_clip_over_the_token_budget_is_encoded_in_parts_equal_to_one_forward(tiny_dir, tmp_path, family):
+    """Forwards of whole temporal patches under the budget, written into one
+    entry: the same embedding (every DeepStack level too) as the clip's single
+    forward."""
+    from video_clips import write_clip
+
+    from pipeline.media.video_cpu import plan_video_bytes
+    from pipeline.models.loader import load_config
+    from pipeline.processing.media_prompt import video_tokens_of
+    from pipeline.processing.processor import video_config_of
+
+    if family == "qwen3_vl":
+        pytest.importorskip("transformers")
+        import qwen3_vl_helpers
+
+        folder = qwen3_vl_helpers.write_serving_checkpoint(tmp_path / "q3")
+    else:
+        folder = tiny_dir
+    tower = load_model(folder, dtype="float32", device="cpu", part="visual").model
+    loaded, model_config = load_config(folder)
+    video_config = video_config_of(folder, video_tokens_of(loaded.spec(model_config)))
+    config = ImageProcessorConfig.from_checkpoint(folder)
+    clip = write_clip(24, 4, 64, 48, seed=11).data
+    plan = plan_video_bytes(clip, video_config)[1]
+    grid_t, tokens = plan.grid[0], plan.num_tokens
+    assert grid_t >= 4
+    embeddings = {}
+
+    async def encode(budget: int, store: ArenaStore):
+        sent: list = []
+        with ThreadPoolExecutor(1) as decode_pool, ThreadPoolExecutor(1) as compute_pool:
+            service = EncoderService(EncoderSettings("enc", "inproc://enc", "tiny", max_batch_tokens=budget), store,
+                                     tower, create_backend("pillow", torch.device("cpu")), config,
+                                     lambda address, message: sent.append(message) or True, decode_pool,
+                                     compute_pool, video_config=video_config)
+            running = asyncio.ensure_future(service.run())
+            job = protocol.EncodeJob("v", "v", "", clip, "inproc://gen", 0, "inproc://proxy", modality="video")
+            salt = service._salt(job)
+            service.handle(msgspec_replace(job, content_hash=content_hash(clip, salt), expected_tokens=tokens))
+            for _ in range(3000):
+                if sent:
+                    break
+                await asyncio.sleep(0.01)
+            ready, = sent
+            assert isinstance(ready, protocol.EmbeddingReady), ready
+            entry = store.index.get(ready.content_hash)
+            start = entry.start_block * store.index.block_bytes
+            embeddings[budget] = store.data[start:start + entry.nbytes].clone()
+            forwards = service.forwards
+            service.handle(protocol.ReleaseLease((ready.lease_id,), "inproc://gen"))
+            assert store.index.lease_count == 0
+            running.cancel()
+            return forwards
+
+    two_steps = 2 * tokens // grid_t   # a budget of two temporal patches a forward
+    for budget, expected_forwards in ((16384, 1), (two_steps, (grid_t + 1) // 2)):
+        store = ArenaStore(4 << 20, 64 << 10, torch.device("cpu"), f"test-encsvc-parts-{budget}")
+        try:
+            assert asyncio.run(encode(budget, store)) == expected_forwards
+        finally:
+            store.close()
+    assert torch.equal(embeddings[two_steps], embeddings[16384])

@@ -69,6 +69,17 @@ class ArenaStore:
         offset = entry.start_block * self.index.block_bytes
         self.data[offset:offset + entry.nbytes].copy_(flat, non_blocking=True)
 
+    def write_rows(self, entry: Entry, tensor: torch.Tensor, first_row: int) -> None:
+        """Copy `tensor` into the entry's rows from `first_row` on (a part of
+        an embedding computed in several forwards); as `write` otherwise."""
+        flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        row_bytes = entry.nbytes // entry.shape[0]
+        start = first_row * row_bytes
+        if flat.numel() % row_bytes or start + flat.numel() > entry.nbytes:
+            raise ValueError(f"{flat.numel()} bytes from row {first_row} do not fit entry of {entry.nbytes}")
+        offset = entry.start_block * self.index.block_bytes + start
+        self.data[offset:offset + flat.numel()].copy_(flat, non_blocking=True)
+
     def sync(self) -> None:
         """Make every write so far visible to other processes. Called once per
         batch, before its handles are sent: the message then is the ordering."""

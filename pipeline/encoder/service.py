@@ -22,7 +22,7 @@ import torch
 from pipeline import protocol
 from pipeline.arena.index import ArenaFull, Entry, State
 from pipeline.arena.store import ArenaStore
-from pipeline.encoder.batching import take_batch
+from pipeline.encoder.batching import take_batch, temporal_parts
 from pipeline.encoder.ring_lanes import RingLanes
 from pipeline.encoder.single_flight import SingleFlight
 from pipeline.hashing import content_hash, media_salt
@@ -304,6 +304,9 @@ class EncoderService:
         """Compute thread: one vision forward for the batch, outputs into the
         arena, one synchronisation before any handle is announced."""
         device = self.store.data.device
+        if len(reserved) == 1 and reserved[0][0].tokens > self.settings.max_batch_tokens:
+            self._forward_in_parts(*reserved[0], device)
+            return
         pixels = torch.cat([item.image.pixel_values.to(device, non_blocking=True) for item, _ in reserved])
         with torch.inference_mode():
             outputs = self.forward(pixels, [item.image.grid for item, _ in reserved])
@@ -311,6 +314,21 @@ class EncoderService:
                 self.store.write(entry, output)
         self.store.sync()
         self.forwards += 1
+
+    def _forward_in_parts(self, item: _Decoded, entry: Entry, device: torch.device) -> None:
+        """A clip over the token budget: forwards of whole temporal patches
+        under the budget, each written into its rows of the one entry, so
+        the tower's activations stay bounded however long the clip."""
+        grid_t, grid_h, grid_w = item.image.grid
+        rows_per_step = grid_h * grid_w   # patch rows of one temporal patch
+        tokens_per_step = item.tokens // grid_t
+        with torch.inference_mode():
+            for start, end in temporal_parts(grid_t, item.tokens, self.settings.max_batch_tokens):
+                pixels = item.image.pixel_values[start * rows_per_step:end * rows_per_step]
+                output, = self.forward(pixels.to(device, non_blocking=True), [(end - start, grid_h, grid_w)])
+                self.store.write_rows(entry, output, start * tokens_per_step)
+                self.forwards += 1
+        self.store.sync()
 
     async def _profile_loop(self) -> None:
         """Every PROFILE_LOG_S with work in it: one line of where the time
