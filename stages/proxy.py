@@ -9,7 +9,9 @@ connections and gives the requests in flight --drain-timeout to finish.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from pipeline.models.loader import load_config
 from pipeline.models.tiny import default_model_dir
 from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import Processor
+from pipeline.proxy.access import AccessPolicy
 from pipeline.proxy.dispatcher import Dispatcher
 from pipeline.proxy.media_fetch import FetchPolicy
 from pipeline.proxy.requests import ModelInfo
@@ -46,6 +49,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--address", help="this proxy's inbox (default: ipc:// in the private run folder)")
     p.add_argument("--model", type=Path, help="checkpoint folder (default: the built-in tiny model)")
     p.add_argument("--model-id", help="served model name and hash salt (default: the folder name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names clients may ask for, the first reported by default (default: --model-id)")
+    p.add_argument("--api-key", default=os.environ.get("EPD_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on the API routes (default: $EPD_API_KEY; none)")
+    p.add_argument("--api-key-all-routes", action="store_true",
+                   help="the API key guards /health, /metrics and /version too")
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS origins, a JSON list')
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--mode", choices=("epd", "aggregated"), default="epd")
     p.add_argument("--encoders", action="append", default=[], help="encoder inbox(es); repeatable or comma-separated")
     p.add_argument("--generators", action="append", default=[], help="generator inbox(es)")
@@ -74,6 +87,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+    return value
+
+
 def build_app(args: argparse.Namespace) -> web.Application:
     model_dir = args.model or default_model_dir()
     family, config = load_config(model_dir)
@@ -82,12 +105,15 @@ def build_app(args: argparse.Namespace) -> web.Application:
     model_id = args.model_id or Path(model_dir).name
     model = ModelInfo(model_id, processor, spec.language.max_context,
                       media_salt(model_id, processor.image_config.settings_key()),
-                      aggregated=args.mode == "aggregated", max_images=args.max_images)
+                      aggregated=args.mode == "aggregated", max_images=args.max_images,
+                      served_names=tuple(args.served_model_name or ()))
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout)
     policy = FetchPolicy(args.max_image_bytes, tuple(args.allow_file_dir), args.allow_http)
-    return ProxyApp(dispatcher, model, policy, args.drain_timeout).build()
+    access = AccessPolicy(args.api_key or None, args.api_key_all_routes, args.allowed_origins,
+                          args.allowed_methods, args.allowed_headers, args.allow_credentials)
+    return ProxyApp(dispatcher, model, policy, args.drain_timeout, access).build()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         # aiohttp's graceful exit stops listening, then runs our drain (on
         # shutdown), which ends every request; HANDLER_GRACE_S is for their
         # handlers to write those last words before aiohttp cancels them.
+        # handler_cancellation: a client that hangs up cancels its handler at
+        # once, which aborts its request in the generators.
         web.run_app(app, host=args.host, port=args.port, print=None, access_log=None,
-                    shutdown_timeout=HANDLER_GRACE_S)
+                    shutdown_timeout=HANDLER_GRACE_S, handler_cancellation=True)
     except OSError as exc:   # the HTTP port is taken (or not ours to bind)
         print(f"stages.proxy: error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

@@ -162,3 +162,34 @@ def test_bad_input_gets_a_clear_4xx_and_harms_no_one(epd, body, status, fragment
     assert r.status_code == status, r.text
     assert fragment in r.json()["error"]["message"]
     assert chat(epd, IMAGES[1], "still fine?", max_tokens=4)[2].completion_tokens == 4
+
+
+def test_stop_token_ids_end_the_answer_at_that_token(epd, tiny_dir, tmp_path):
+    text = "Count for me."
+    expected = epd_generate(tiny_dir, tmp_path, [], text, max_tokens=12)
+    ids = expected["token_ids"]
+    # The first token not seen before it: the answer must end just there.
+    cut = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    got, reason, usage = chat(epd, [], text, max_tokens=12, stop_token_ids=[ids[cut]])
+    assert reason == "stop" and usage.completion_tokens == cut + 1
+    # As in the common servers, the stop token's own text stays (it is no special token).
+    assert got == epd_generate(tiny_dir, tmp_path, [], text, max_tokens=cut + 1)["text"]
+
+
+def test_a_client_that_hangs_up_is_aborted_within_100_ms(epd):
+    aborted = epd.total("epd_requests_total", status="aborted")
+    with httpx.stream("POST", epd.base_url + "/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "messages": chat_messages([], "go on"), "max_tokens": 7000, "stream": True,
+            "ignore_eos": True}) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n > 3:
+                break
+        hung_up = time.monotonic()
+    # The proxy's own counter moves when it has aborted the request in its generator.
+    while epd.total("epd_requests_total", status="aborted") == aborted and time.monotonic() - hung_up < 5:
+        time.sleep(0.005)
+    assert time.monotonic() - hung_up < 0.1
+    deadline = time.monotonic() + 10
+    while epd.total("epd_running_requests") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert epd.total("epd_running_requests") == 0

@@ -1,7 +1,10 @@
 """OpenAI request bodies as msgspec Structs, and the checks on them.
 
 Unknown fields are ignored (clients send many), but every field we act on is
-typed, so a wrong type is a 400 naming the field.
+typed, so a wrong type is a 400 naming the field. The OpenAI fields this
+server does not act on yet are typed too, so that a request which sets one
+to anything but its neutral value is a 400 naming it, never a 200 that
+silently did something else (`refused_field`).
 """
 
 from __future__ import annotations
@@ -72,6 +75,28 @@ class SamplingFields(msgspec.Struct):
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int = 1
+    stop_token_ids: list[int] | None = None
+    # Accepted only at their neutral values (see NOT_YET_SUPPORTED).
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict | None = None
+    min_p: float | None = None
+    best_of: int | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -81,22 +106,62 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+def _neutral(value) -> bool:
+    """None, False, 0, an empty list or dict: what a client sends for "off"."""
+    return value is None or value is False or value == 0 or value == [] or value == {}
+
+
+# field -> whether a value of it asks for nothing this server would ignore.
+NOT_YET_SUPPORTED = {
+    "tools": _neutral, "functions": _neutral, "function_call": lambda v: v in (None, "none"),
+    "tool_choice": lambda v: v in (None, "none"), "parallel_tool_calls": lambda v: True,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "logprobs": _neutral, "top_logprobs": _neutral, "prompt_logprobs": _neutral,
+    "presence_penalty": _neutral, "frequency_penalty": _neutral,
+    "repetition_penalty": lambda v: v is None or v == 1, "logit_bias": _neutral, "min_p": _neutral,
+    "best_of": lambda v: v in (None, 1),
+    "guided_json": _neutral, "guided_regex": _neutral, "guided_choice": _neutral, "guided_grammar": _neutral,
+    "structured_outputs": _neutral, "echo": _neutral, "suffix": lambda v: not v,
+}
+
+
+def refused_field(request) -> str | None:
+    """The first field set to something this server does not do yet, if any."""
+    for name, neutral in NOT_YET_SUPPORTED.items():
+        if not neutral(getattr(request, name, None)):
+            return name
+    return None
 
 
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
 
-def parse_body(body: bytes, kind: Literal["chat", "completion"]):
-    decoder = _chat_decoder if kind == "chat" else _completion_decoder
+def decode_json(body: bytes, kind, decoder: msgspec.json.Decoder | None = None):
+    """A request body as Struct `kind`; a 400 naming what is wrong otherwise."""
     try:
-        request = decoder.decode(body)
+        return (decoder or msgspec.json.Decoder(kind)).decode(body)
     except msgspec.ValidationError as exc:
         raise ApiError(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ApiError(f"malformed JSON body: {exc}") from None
+
+
+def parse_body(body: bytes, kind: Literal["chat", "completion"]):
+    if kind == "chat":
+        request = decode_json(body, ChatCompletionRequest, _chat_decoder)
+    else:
+        request = decode_json(body, CompletionRequest, _completion_decoder)
     if request.n != 1:
         raise ApiError("only n=1 is supported", param="n")
+    if (field := refused_field(request)) is not None:
+        raise ApiError(f"'{field}' is not supported by this server yet; leave it unset", param=field)
+    if request.top_k is not None and request.top_k < -1:
+        raise ApiError("top_k must be -1 or 0 (off) or a positive number of tokens", param="top_k")
     if kind == "chat" and not request.messages:
         raise ApiError("messages must be a non-empty list", param="messages")
     if kind == "completion" and not request.prompt:

@@ -15,6 +15,7 @@ from pipeline.processing.video import VideoOptions
 from pipeline.proxy.api_types import (
     ApiError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     image_url_of,
     stop_strings,
@@ -34,11 +35,25 @@ class ModelInfo:
     aggregated: bool = False   # generators encode images themselves: they get the bytes
     max_images: int = 16       # images and videos
     video_limits: VideoLimits = VideoLimits()
+    served_names: tuple[str, ...] = ()   # what clients may call it (default: model_id)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.served_names or (self.model_id,)
+
+    def check_name(self, name: str | None) -> str:
+        """The name a response reports: the one asked for, else the first.
+        404 in the common servers' words for a model not served here."""
+        if name is None:
+            return self.names[0]
+        if name not in self.names:
+            raise ApiError(f"The model `{name}` does not exist.", status=404, kind="NotFoundError", param="model")
+        return name
 
 
 async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchPolicy, request_id: str,
                     reply_to: str, session=None) -> Work:
-    messages, media = _plain_messages(req)
+    messages, media = plain_messages(req.messages)
     if len(media) > model.max_images:
         raise ApiError(f"too many images and videos: {len(media)} (at most {model.max_images} per request)",
                        param="messages")
@@ -76,11 +91,11 @@ async def completion_work(req: CompletionRequest, model: ModelInfo, request_id: 
     return _work(req, model, request_id, reply_to, MultimodalPrompt(ids, [], []), [], None)
 
 
-def _plain_messages(req: ChatCompletionRequest) -> tuple[list[dict], list[tuple[str, str]]]:
+def plain_messages(chat: list[ChatMessage]) -> tuple[list[dict], list[tuple[str, str]]]:
     """Messages as the chat template expects them, and the (kind, URL) of
     each image and video, in order."""
     messages, urls = [], []
-    for m in req.messages:
+    for m in chat:
         if m.content is None or isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content or ""})
             continue
@@ -131,8 +146,10 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
         sampling = protocol.Sampling(
             max_tokens=max_tokens, min_tokens=req.min_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
-            top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-            stop=stop_strings(req.stop), ignore_eos=req.ignore_eos)
+            top_k=max(req.top_k or 0, 0),   # -1 and 0 both mean off
+            top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+            stop=stop_strings(req.stop), stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos)
         _check_sampling(sampling)
     except ValueError as exc:
         raise ApiError(str(exc)) from None

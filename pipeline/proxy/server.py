@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (aiohttp): chat and text completions,
-streaming (SSE) or not, models, health, metrics."""
+streaming (SSE) or not, models, tokenize, version, health, metrics."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import msgspec
 from aiohttp import web
 
 from pipeline import protocol
+from pipeline.proxy.access import MODEL_NAME_KEY, AccessPolicy, add_cors, echo_request_id, error_middleware
 from pipeline.proxy.api_types import ApiError, parse_body
 from pipeline.proxy.dispatcher import Dispatcher, Flight
 from pipeline.proxy.media_fetch import FetchPolicy
 from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
+from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
 
 MAX_BODY = 64 << 20
 CLIENT_CHECK_S = 1.0     # how often hung-up clients are looked for
@@ -28,10 +30,11 @@ log = logging.getLogger("epd.proxy")
 
 class ProxyApp:
     def __init__(self, dispatcher: Dispatcher, model: ModelInfo, policy: FetchPolicy,
-                 drain_timeout: float = 30.0) -> None:
+                 drain_timeout: float = 30.0, access: AccessPolicy = AccessPolicy()) -> None:
         self.dispatcher = dispatcher
         self.model = model
         self.policy = policy
+        self.access = access
         self.drain_timeout = drain_timeout   # on stop, for the requests in flight
         self.handling = 0          # HTTP requests being handled, from parsing to the last byte
         self.stopping = False      # the drain is over: nothing more is sent to the stages
@@ -42,10 +45,13 @@ class ProxyApp:
         self._client_watch: asyncio.Task | None = None
 
     def build(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[error_middleware(self.access), self._errors])
         app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
-                        web.get("/metrics", self.metrics_page)])
+                        web.get("/metrics", self.metrics_page), web.get("/version", version_page),
+                        web.post("/tokenize", tokenize_handler(self.model)),
+                        web.post("/detokenize", detokenize_handler(self.model))])
+        add_cors(app, self.access)
         app.on_startup.append(self._start)
         app.on_shutdown.append(self._drain)
         app.on_cleanup.append(self._stop)
@@ -101,20 +107,22 @@ class ProxyApp:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = parse_body(await request.read(), "chat")
+        request[MODEL_NAME_KEY] = self.model.check_name(req.model)
         rid = "chatcmpl-" + self.dispatcher.new_request_id()
         work = await chat_work(req, self.model, self.policy, rid, self.dispatcher.address, self.session)
         return await self._serve(request, req, work, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_body(await request.read(), "completion")
+        request[MODEL_NAME_KEY] = self.model.check_name(req.model)
         rid = "cmpl-" + self.dispatcher.new_request_id()
         work = await completion_work(req, self.model, rid, self.dispatcher.address)
         return await self._serve(request, req, work, chat=False)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": self.model.model_id, "object": "model", "created": 0, "owned_by": "epd",
-             "max_model_len": self.model.max_context}]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "epd", "root": self.model.model_id,
+             "max_model_len": self.model.max_context} for name in self.model.names]})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.dispatcher.healthy():
@@ -145,7 +153,7 @@ class ProxyApp:
                 return _error_response(first)   # e.g. a bad image: a 4xx, not a broken stream
             if req.stream:
                 return await self._stream(await self._open_stream(request, rid, chat), req, flight, first)
-            return await self._whole(rid, flight, first, chat)
+            return await self._whole(request, rid, flight, first, chat)
         except (asyncio.CancelledError, ConnectionResetError):
             if self.dispatcher.abort(rid):    # still live: nothing has counted its tokens
                 self.metrics.generation_tokens.inc(flight.tokens)
@@ -170,20 +178,21 @@ class ProxyApp:
                     del self._clients[rid]
                     flight.deltas.put_nowait(CLIENT_GONE)
 
-    async def _whole(self, rid, flight, delta, chat):
+    async def _whole(self, request, rid, flight, delta, chat):
         text, last = delta.text, delta
         while not last.finished:
             last = await self._next(flight)
             text += last.text
         if last.error:
             return _error_response(last)
-        body = _response(rid, self.model.model_id, text, last, chat)
+        body = _response(rid, request[MODEL_NAME_KEY], text, last, chat)
         return web.json_response(body)
 
     async def _open_stream(self, request, rid, chat) -> _Stream:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        echo_request_id(request, response)
         await response.prepare(request)
-        stream = _Stream(response, rid, self.model.model_id, int(time.time()), chat)
+        stream = _Stream(response, rid, request[MODEL_NAME_KEY], int(time.time()), chat)
         if chat:
             await stream.send(stream.chunk({"role": "assistant", "content": ""}, None))
         return stream

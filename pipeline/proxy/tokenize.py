@@ -1,0 +1,67 @@
+"""/tokenize, /detokenize and /version, in the common servers' shapes."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import msgspec
+from aiohttp import web
+
+from pipeline.proxy.api_types import ApiError, ChatMessage, decode_json
+from pipeline.proxy.requests import ModelInfo, plain_messages
+
+
+class TokenizeRequest(msgspec.Struct):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True      # accepted; our tokenizers add none to plain text
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct):
+    tokens: list[int]
+    model: str | None = None
+
+
+def version() -> str:
+    try:
+        return metadata.version("epd")
+    except metadata.PackageNotFoundError:   # run from a checkout that was never installed
+        return "0+unknown"
+
+
+async def version_page(request: web.Request) -> web.Response:
+    return web.json_response({"version": version()})
+
+
+def tokenize_handler(model: ModelInfo):
+    async def tokenize(request: web.Request) -> web.Response:
+        req = decode_json(await request.read(), TokenizeRequest)
+        model.check_name(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError("send exactly one of 'prompt' and 'messages'", param="prompt")
+        if req.prompt is not None:
+            tokens = model.processor.tokenizer.encode(req.prompt)
+        else:
+            messages, media = plain_messages(req.messages)
+            if media:
+                raise ApiError("/tokenize takes text messages only (no image_url or video_url parts)",
+                               param="messages")
+            text = model.processor.template.render(messages, add_generation_prompt=req.add_generation_prompt)
+            tokens = model.processor.tokenizer.encode(text)
+        return web.json_response({"count": len(tokens), "max_model_len": model.max_context, "tokens": tokens})
+
+    return tokenize
+
+
+def detokenize_handler(model: ModelInfo):
+    async def detokenize(request: web.Request) -> web.Response:
+        req = decode_json(await request.read(), DetokenizeRequest)
+        model.check_name(req.model)
+        vocab = model.processor.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise ApiError(f"token ids must be in [0, {vocab})", param="tokens")
+        return web.json_response({"prompt": model.processor.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    return detokenize

@@ -1,0 +1,200 @@
+"""The proxy's HTTP surface in-process (aiohttp's test server, the tiny
+model's processor, generators that never answer): what it refuses and how,
+model names, the API key, CORS, request ids, the JSON error shape, and
+/tokenize, /detokenize, /version. Everything here is answered before a
+request would reach a stage."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from pipeline.proxy.api_types import NOT_YET_SUPPORTED, parse_body
+from pipeline.proxy.requests import completion_work
+from stages.proxy import build_app, parse_args
+
+CHAT = "/v1/chat/completions"
+
+
+def serve(tiny_dir, tmp_path, *flags, scenario):
+    """Run `scenario(client, app)` against a proxy built from these flags."""
+    args = parse_args(["--model", str(tiny_dir), "--model-id", "tiny", "--mode", "aggregated",
+                       "--generators", f"ipc://{tmp_path}/nobody.sock", "--address", f"ipc://{tmp_path}/proxy.sock",
+                       *flags])
+
+    async def run():
+        app = build_app(args)
+        async with TestClient(TestServer(app)) as client:
+            await scenario(client, app)
+
+    asyncio.run(run())
+
+
+def chat_body(**extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+
+
+REFUSED = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
+    "functions": [{"name": "f"}], "function_call": "auto", "response_format": {"type": "json_object"},
+    "logprobs": True, "top_logprobs": 3, "prompt_logprobs": 1, "presence_penalty": 0.5,
+    "frequency_penalty": -0.2, "repetition_penalty": 1.1, "logit_bias": {"5": 10}, "min_p": 0.1, "best_of": 2,
+    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= x",
+    "structured_outputs": {"json": {}},
+}
+
+
+def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
+    assert set(REFUSED) | {"parallel_tool_calls", "echo", "suffix"} == set(NOT_YET_SUPPORTED)
+    import json
+
+    import pipeline.proxy.api_types as api
+
+    for field, value in REFUSED.items():
+        with pytest.raises(api.ApiError) as caught:
+            parse_body(json.dumps(chat_body(**{field: value})).encode(), "chat")
+        assert caught.value.param == field and f"'{field}'" in str(caught.value) and caught.value.status == 400
+    neutral = dict(tools=[], tool_choice="none", response_format={"type": "text"}, logprobs=False, top_logprobs=0,
+                   presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias={}, min_p=0,
+                   best_of=1, parallel_tool_calls=True)
+    parse_body(json.dumps(chat_body(**neutral)).encode(), "chat")
+    for field, value in (("echo", True), ("suffix", "tail")):
+        with pytest.raises(api.ApiError, match=f"'{field}'"):
+            parse_body(json.dumps({"prompt": "x", field: value}).encode(), "completion")
+
+
+def test_top_k_minus_one_is_off_and_below_is_refused(tiny_dir, tmp_path):
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.proxy.requests import ModelInfo
+    from pipeline.processing.processor import Processor
+
+    processor = Processor.from_checkpoint(tiny_dir, image_token_id=0)
+    model = ModelInfo("tiny", processor, 512, b"salt")
+    for top_k in (-1, 0):
+        req = parse_body(json.dumps({"prompt": "x", "top_k": top_k, "max_tokens": 2}).encode(), "completion")
+        work = asyncio.run(completion_work(req, model, "r", "inproc://proxy"))
+        assert work.request.sampling.top_k == 0
+    with pytest.raises(api.ApiError, match="top_k"):
+        parse_body(json.dumps({"prompt": "x", "top_k": -2}).encode(), "completion")
+
+
+def test_model_names_and_the_404_for_others(tiny_dir, tmp_path):
+    async def scenario(client, app):
+        r = await client.post(CHAT, json=chat_body(model="gpt-4"))
+        assert r.status == 404
+        error = (await r.json())["error"]
+        assert error["message"] == "The model `gpt-4` does not exist." and error["type"] == "NotFoundError"
+        models = await (await client.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["qwen-a", "qwen-b"]
+        assert all(m["root"] == "tiny" for m in models["data"])
+        r = await client.post("/tokenize", json={"model": "tiny", "prompt": "x"})
+        assert r.status == 404   # --served-model-name replaces the default name
+
+    serve(tiny_dir, tmp_path, "--served-model-name", "qwen-a", "qwen-b", scenario=scenario)
+
+
+def test_api_key(tiny_dir, tmp_path):
+    async def scenario(client, app):
+        assert (await client.get("/v1/models")).status == 401
+        wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status == 401 and (await wrong.json())["error"]["type"] == "authentication_error"
+        assert (await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})).status == 200
+        assert (await client.post("/tokenize", json={"prompt": "x"})).status == 401
+        assert (await client.get("/version")).status == 200   # only the API routes by default
+
+    serve(tiny_dir, tmp_path, "--api-key", "s3cret", scenario=scenario)
+
+    async def all_routes(client, app):
+        assert (await client.get("/version")).status == 401
+        assert (await client.get("/metrics")).status == 401
+        assert (await client.get("/version", headers={"Authorization": "Bearer s3cret"})).status == 200
+
+    serve(tiny_dir, tmp_path, "--api-key", "s3cret", "--api-key-all-routes", scenario=all_routes)
+
+
+def test_cors_preflight_and_headers(tiny_dir, tmp_path):
+    async def scenario(client, app):
+        preflight = await client.options(CHAT, headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type, authorization"})
+        assert preflight.status == 200
+        assert preflight.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert "POST" in preflight.headers["Access-Control-Allow-Methods"]
+        plain = await client.get("/v1/models", headers={"Origin": "https://app.example",
+                                                        "Authorization": "Bearer k"})
+        assert plain.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        other = await client.options(CHAT, headers={"Origin": "https://evil.example",
+                                                    "Access-Control-Request-Method": "POST"})
+        assert other.status == 403
+
+    serve(tiny_dir, tmp_path, "--api-key", "k", "--allowed-origins", '["https://app.example"]', scenario=scenario)
+
+
+def test_request_ids_and_the_json_error_shape(tiny_dir, tmp_path):
+    async def scenario(client, app):
+        r = await client.get("/v1/models", headers={"X-Request-Id": "abc-123"})
+        assert r.headers["X-Request-Id"] == "abc-123"
+        made = (await client.get("/v1/models")).headers["X-Request-Id"]
+        assert len(made) == 32 and made != (await client.get("/v1/models")).headers["X-Request-Id"]
+        missing = await client.get("/v1/nothing-here", headers={"X-Request-Id": "r404"})
+        assert missing.status == 404 and missing.headers["X-Request-Id"] == "r404"
+        error = (await missing.json())["error"]
+        assert error["code"] == 404 and "/v1/nothing-here" in error["message"]
+        wrong_method = await client.get(CHAT)
+        assert wrong_method.status == 405 and (await wrong_method.json())["error"]["code"] == 405
+        refused = await client.post(CHAT, json=chat_body(logprobs=True))
+        assert refused.status == 400 and (await refused.json())["error"]["param"] == "logprobs"
+
+    serve(tiny_dir, tmp_path, scenario=scenario)
+
+
+def test_an_internal_failure_is_a_json_500_that_leaks_nothing(tiny_dir, tmp_path):
+    async def scenario(client, app):
+        # The chat route's handler is the ProxyApp's bound method: its dispatcher is the one to break.
+        dispatcher = next(r.handler.__self__ for r in app.router.routes()
+                          if getattr(r.handler, "__name__", "") == "chat").dispatcher
+
+        def broken(work):
+            raise RuntimeError("database password is hunter2")
+
+        dispatcher.submit = broken
+        r = await client.post(CHAT, json=chat_body(), headers={"X-Request-Id": "boom-1"})
+        assert r.status == 500
+        body = await r.json()
+        assert body["error"]["type"] == "InternalServerError" and "boom-1" in body["error"]["message"]
+        assert "hunter2" not in await r.text() and "Traceback" not in await r.text()
+        assert (await client.get("/v1/models")).status == 200   # and it goes on serving
+
+    serve(tiny_dir, tmp_path, scenario=scenario)
+
+
+def test_tokenize_detokenize_and_version(tiny_dir, tmp_path):
+    from pipeline.processing.processor import Processor
+
+    processor = Processor.from_checkpoint(tiny_dir, image_token_id=0)
+
+    async def scenario(client, app):
+        r = await (await client.post("/tokenize", json={"model": "tiny", "prompt": "Hello world"})).json()
+        assert r["tokens"] == processor.tokenizer.encode("Hello world") and r["count"] == len(r["tokens"])
+        assert r["max_model_len"] > 0
+        messages = [{"role": "user", "content": "Hi there"}]
+        chat = await (await client.post("/tokenize", json={"messages": messages})).json()
+        assert chat["tokens"] == processor.tokenizer.encode(
+            processor.template.render(messages, add_generation_prompt=True))
+        back = await (await client.post("/detokenize", json={"tokens": r["tokens"]})).json()
+        assert back["prompt"] == "Hello world"
+        bad = await client.post("/detokenize", json={"tokens": [-1]})
+        assert bad.status == 400 and (await bad.json())["error"]["param"] == "tokens"
+        both = await client.post("/tokenize", json={"prompt": "x", "messages": messages})
+        assert both.status == 400
+        media = await client.post("/tokenize", json={"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+        assert media.status == 400 and "text messages only" in (await media.json())["error"]["message"]
+        version = await (await client.get("/version")).json()
+        assert version["version"]
+
+    serve(tiny_dir, tmp_path, scenario=scenario)
