@@ -62,8 +62,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--mode", choices=("epd", "aggregated"), default="epd")
     p.add_argument("--encoders", action="append", default=[], help="encoder inbox(es); repeatable or comma-separated")
     p.add_argument("--generators", action="append", default=[], help="generator inbox(es)")
-    p.add_argument("--allow-file-dir", action="append", default=[], type=Path, help="folder file:// URLs may read")
-    p.add_argument("--allow-http", action="store_true", help="fetch http(s):// image URLs")
+    p.add_argument("--allowed-local-media-path", "--allow-file-dir", dest="allow_file_dir", action="append",
+                   default=[], type=Path, metavar="DIR", help="a folder file:// media URLs may read; repeatable")
+    p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="the only hosts http(s) media URLs may name (these may be private addresses)")
+    p.add_argument("--disable-http-media", action="store_true", help="refuse http(s):// media URLs")
+    p.add_argument("--allow-http", action="store_true", help=argparse.SUPPRESS)   # the default now
+    p.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds for one http(s) media fetch, redirects included")
     p.add_argument("--max-image-bytes", type=int, default=20 << 20)
     p.add_argument("--max-images", type=int, default=16, help="images per request")
     p.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight before 503")
@@ -110,7 +116,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout)
-    policy = FetchPolicy(args.max_image_bytes, tuple(args.allow_file_dir), args.allow_http)
+    policy = FetchPolicy(args.max_image_bytes, tuple(args.allow_file_dir), not args.disable_http_media,
+                         args.media_fetch_timeout, tuple(d.lower() for d in args.allowed_media_domains))
     access = AccessPolicy(args.api_key or None, args.api_key_all_routes, args.allowed_origins,
                           args.allowed_methods, args.allowed_headers, args.allow_credentials)
     return ProxyApp(dispatcher, model, policy, args.drain_timeout, access).build()

@@ -56,7 +56,7 @@ def test_image_url_policy(tmp_path):
     with pytest.raises(ApiError, match="allowed folders"):
         run(fetch_image(f"file://{tmp_path}/secret.png", FetchPolicy()))
     with pytest.raises(ApiError, match="disabled"):
-        run(fetch_image("http://example.invalid/a.png", FetchPolicy()))
+        run(fetch_image("http://example.invalid/a.png", FetchPolicy(allow_http=False)))
     with pytest.raises(ApiError, match="unsupported image URL scheme"):
         run(fetch_image("gopher://x", FetchPolicy()))
 

@@ -15,7 +15,7 @@ from pipeline import protocol
 from pipeline.proxy.access import MODEL_NAME_KEY, AccessPolicy, add_cors, echo_request_id, error_middleware
 from pipeline.proxy.api_types import ApiError, parse_body
 from pipeline.proxy.dispatcher import Dispatcher, Flight
-from pipeline.proxy.media_fetch import FetchPolicy
+from pipeline.proxy.media_fetch import FetchPolicy, guarded_session
 from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
 from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
@@ -61,9 +61,7 @@ class ProxyApp:
         self.dispatcher.start()
         self._client_watch = asyncio.create_task(self._watch_clients())
         if self.policy.allow_http:
-            import aiohttp
-
-            self.session = aiohttp.ClientSession()
+            self.session = guarded_session(self.policy)
 
     async def _drain(self, app) -> None:
         """Stopping, and no longer listening: the requests being handled get
