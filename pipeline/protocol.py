@@ -171,6 +171,12 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # The logits processors (engine/penalties.py); field names as SamplingParams'.
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 class GenerateRequest(_Msg, tag="generate"):

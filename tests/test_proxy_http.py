@@ -39,8 +39,7 @@ def chat_body(**extra) -> dict:
 REFUSED = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
     "functions": [{"name": "f"}], "function_call": "auto", "response_format": {"type": "json_object"},
-    "logprobs": True, "top_logprobs": 3, "prompt_logprobs": 1, "presence_penalty": 0.5,
-    "frequency_penalty": -0.2, "repetition_penalty": 1.1, "logit_bias": {"5": 10}, "min_p": 0.1, "best_of": 2,
+    "logprobs": True, "top_logprobs": 3, "prompt_logprobs": 1, "best_of": 2,
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= x",
     "structured_outputs": {"json": {}},
 }
@@ -57,7 +56,6 @@ def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
             parse_body(json.dumps(chat_body(**{field: value})).encode(), "chat")
         assert caught.value.param == field and f"'{field}'" in str(caught.value) and caught.value.status == 400
     neutral = dict(tools=[], tool_choice="none", response_format={"type": "text"}, logprobs=False, top_logprobs=0,
-                   presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias={}, min_p=0,
                    best_of=1, parallel_tool_calls=True)
     parse_body(json.dumps(chat_body(**neutral)).encode(), "chat")
     for field, value in (("echo", True), ("suffix", "tail")):
@@ -198,3 +196,33 @@ def test_tokenize_detokenize_and_version(tiny_dir, tmp_path):
         assert version["version"]
 
     serve(tiny_dir, tmp_path, scenario=scenario)
+
+
+def test_the_logits_processors_reach_the_sampling_and_bad_values_are_400s(tiny_dir):
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo
+
+    model = ModelInfo("tiny", Processor.from_checkpoint(tiny_dir, image_token_id=0), 512, b"salt")
+
+    def work(**fields):
+        req = parse_body(json.dumps({"prompt": "x", "max_tokens": 2, **fields}).encode(), "completion")
+        return asyncio.run(completion_work(req, model, "r", "inproc://proxy")).request.sampling
+
+    s = work(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1,
+             logit_bias={"7": 3, "2": -100})
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -1, 1.2, 0.1)
+    assert s.logit_bias == ((2, -100.0), (7, 3.0))
+    off = work()
+    assert (off.presence_penalty, off.frequency_penalty, off.repetition_penalty, off.min_p, off.logit_bias) == (
+        0.0, 0.0, 1.0, 0.0, ())
+    for fields, fragment in ((dict(presence_penalty=2.5), "presence_penalty"), (dict(min_p=1.5), "min_p"),
+                             (dict(repetition_penalty=0), "repetition_penalty"),
+                             (dict(logit_bias={"x": 1}), "logit_bias keys"),
+                             (dict(logit_bias={"99999999": 1}), "logit_bias token id"),
+                             (dict(logit_bias={"3": 500}), r"logit_bias\[3\]")):
+        with pytest.raises(api.ApiError, match=fragment) as caught:
+            work(**fields)
+        assert caught.value.status == 400

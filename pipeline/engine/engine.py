@@ -23,6 +23,7 @@ from pipeline.engine.plan import FinishedRequest, SchedulerConfig
 from pipeline.engine.request import ImageSpan, Request, RequestStatus, SamplingParams
 from pipeline.models.spec import span_rows
 from pipeline.engine.runner import ModelRunner, PromptGeometry
+from pipeline.engine.penalties import PenaltyPool, uses_penalties
 from pipeline.engine.sampler import SamplingRow, make_generator, sample
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.step_profile import StepProfile, step_kind
@@ -77,6 +78,7 @@ class _Live:
     text: TextState
     generator: torch.Generator | None
     image_inputs: dict[str, tuple[torch.Tensor, tuple[int, int, int]]]
+    pool_row: int | None = None   # in the engine's PenaltyPool, from the request's first sampled token on
 
 
 class Engine:
@@ -112,6 +114,7 @@ class Engine:
                              f"which is off here (fast_decode={config.fast_decode}, device {device})")
         self.runner = ModelRunner(model, kv, device, decode, self._mixed(model, kv, num_blocks, decode, device))
         self.live: dict[str, _Live] = {}
+        self.penalties = PenaltyPool(lang.vocab_size, config.max_num_seqs, device)
         self.pending_embeddings: dict[str, tuple[torch.Tensor, float]] = {}
         self.refetch: list[str] = []
         self.profile = StepProfile()   # per-window step timings, for the generator's log
@@ -181,7 +184,7 @@ class Engine:
                 and self.scheduler.admit_embedding(key, embedding.shape[0], embedding))
 
     def abort(self, request_id: str) -> bool:
-        self.live.pop(request_id, None)
+        self._forget(request_id)
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
@@ -207,7 +210,10 @@ class Engine:
                                               {c.request_id: self.live[c.request_id].geometry
                                                for c in plan.chunks}, cache.get)
             rows = [self._sampling_row(c.request_id) for c in due]
-            sampled = dict(zip((c.request_id for c in due), sample(logits, rows)))
+            tokens = sample(logits, rows, self.penalties)
+            sampled = dict(zip((c.request_id for c in due), tokens))
+            penalised = [(row.pool_row, token) for row, token in zip(rows, tokens) if row.pool_row is not None]
+            self.penalties.record([r for r, _ in penalised], [t for _, t in penalised])
         t3 = time.perf_counter()
         finished = {f.request_id: f for f in self.scheduler.update(plan, sampled)}
         outputs = [self._output(rid, token, finished.get(rid)) for rid, token in sampled.items()]
@@ -243,7 +249,15 @@ class Engine:
         banned: tuple[int, ...] = ()
         if request.num_output_tokens < params.min_tokens:
             banned = tuple(set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids)))
-        return SamplingRow(params, self.live[request_id].generator, banned)
+        live = self.live[request_id]
+        if live.pool_row is None and uses_penalties(params):
+            live.pool_row = self.penalties.take(request.prompt_token_ids)
+        return SamplingRow(params, live.generator, banned, live.pool_row)
+
+    def _forget(self, request_id: str) -> None:
+        live = self.live.pop(request_id, None)
+        if live is not None and live.pool_row is not None:
+            self.penalties.give_back(live.pool_row)
 
     def _output(self, request_id: str, token: int, finished: FinishedRequest | None) -> RequestOutput:
         live = self.live[request_id]
@@ -255,6 +269,6 @@ class Engine:
             return RequestOutput(request_id, (token,), delta, num_prompt_tokens=request.num_prompt_tokens,
                                  num_output_tokens=request.num_output_tokens)
         delta += live.text.finish()
-        del self.live[request_id]
+        self._forget(request_id)
         return RequestOutput(request_id, (token,), delta, True, finished.finish_reason,
                              finished.num_prompt_tokens, len(finished.output_token_ids))

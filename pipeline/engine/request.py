@@ -23,6 +23,13 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _check_number(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value > high or value < low or (low_open and value == low):
+        bound = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be a number in {bound}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -34,6 +41,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()        # stop strings, matched by the detokenizer
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0   # 1 means off (engine/penalties.py says what each does)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -58,6 +70,17 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty str, got {text!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 2.0 ** 31, low_open=True)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in self.logit_bias))
+        for token, bias in self.logit_bias:
+            _check_int("logit_bias token id", token, 0)
+            _check_number(f"logit_bias[{token}]", bias, -100.0, 100.0)
 
 
 @dataclass(frozen=True)

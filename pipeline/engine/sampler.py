@@ -1,8 +1,10 @@
 """Next-token choice for a batch of rows: greedy, temperature, top-k, top-p,
-per-request seeds, and min_tokens (end tokens masked until enough output).
+min-p, per-request seeds, min_tokens (end tokens masked until enough
+output), and the logits processors of engine/penalties.py.
 
-Greedy rows take one batched argmax; only sampled rows do per-row work, since
-each may carry its own generator (a seeded request must give the same tokens
+Greedy rows take one batched argmax; bias and penalties are applied to the
+whole batch at once; only sampled rows do per-row work, since each may
+carry its own generator (a seeded request must give the same tokens
 whatever else is in the batch).
 """
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.engine.penalties import PenaltyPool, apply_bias_and_penalties, apply_min_p
 from pipeline.engine.request import SamplingParams
 
 
@@ -20,14 +23,19 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None
     banned: tuple[int, ...] = ()  # token ids masked this step (min_tokens not reached)
+    pool_row: int | None = None   # the request's row in the PenaltyPool, if penalised
+
+
+def _plain(row: SamplingRow) -> bool:
+    return row.params.temperature == 0 and not row.banned and not row.params.logit_bias and row.pool_row is None
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], pool: PenaltyPool | None = None) -> list[int]:
     """logits [n, vocab] (any float dtype) -> one token id per row."""
     if not rows:
         return []
-    if all(row.params.temperature == 0 and not row.banned for row in rows):
+    if all(_plain(row) for row in rows):
         # All greedy (the common serving case): the argmax of the logits as
         # they are, no float copy; converting to float never changes the order.
         return logits.argmax(-1).tolist()
@@ -35,6 +43,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     for i, row in enumerate(rows):
         if row.banned:
             logits[i, list(row.banned)] = float("-inf")
+    apply_bias_and_penalties(logits, [row.params for row in rows], [row.pool_row for row in rows], pool)
     tokens = logits.argmax(-1).tolist()
     for i, row in enumerate(rows):
         if row.params.temperature > 0:
@@ -45,6 +54,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
 def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
     p = row.params
     logits = logits / p.temperature
+    if p.min_p > 0:
+        logits = apply_min_p(logits.unsqueeze(0), torch.tensor([p.min_p], device=logits.device))[0]
     if 0 < p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

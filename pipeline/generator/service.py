@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from pipeline import protocol
@@ -230,8 +231,7 @@ class GeneratorService:
                 raise ValueError(error)
             if self.decode_images is not None and req.image_keys and inputs is None:
                 raise ValueError("aggregated mode needs the images' bytes in the request")
-            params = SamplingParams(s.max_tokens, s.min_tokens, s.temperature, s.top_k, s.top_p, s.seed,
-                                    s.stop_token_ids, s.stop, s.ignore_eos)
+            params = SamplingParams(**msgspec.structs.asdict(s))   # the same field names
             prompt = MultimodalPrompt(list(req.prompt_token_ids), [tuple(x) for x in req.image_spans],
                                       [tuple(g) for g in req.grids], tuple(req.seconds_per_grid))
             if inputs is not None:

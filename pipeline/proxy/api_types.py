@@ -76,6 +76,11 @@ class SamplingFields(msgspec.Struct):
     min_tokens: int = 0
     n: int = 1
     stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
     # Accepted only at their neutral values (see NOT_YET_SUPPORTED).
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -86,11 +91,6 @@ class SamplingFields(msgspec.Struct):
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict | None = None
-    min_p: float | None = None
     best_of: int | None = None
     guided_json: str | dict | None = None
     guided_regex: str | None = None
@@ -121,8 +121,6 @@ NOT_YET_SUPPORTED = {
     "tool_choice": lambda v: v in (None, "none"), "parallel_tool_calls": lambda v: True,
     "response_format": lambda v: v is None or v == {"type": "text"},
     "logprobs": _neutral, "top_logprobs": _neutral, "prompt_logprobs": _neutral,
-    "presence_penalty": _neutral, "frequency_penalty": _neutral,
-    "repetition_penalty": lambda v: v is None or v == 1, "logit_bias": _neutral, "min_p": _neutral,
     "best_of": lambda v: v in (None, 1),
     "guided_json": _neutral, "guided_regex": _neutral, "guided_choice": _neutral, "guided_grammar": _neutral,
     "structured_outputs": _neutral, "echo": _neutral, "suffix": lambda v: not v,
@@ -192,3 +190,24 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if len(items) > 16:
         raise ApiError("at most 16 stop strings", param="stop")
     return tuple(items)
+
+
+def processor_fields(req, vocab_size: int) -> dict:
+    """The request's logits processors as protocol.Sampling fields (unset:
+    off); logit_bias keys are token ids as strings, as OpenAI sends them."""
+    out = {}
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                      ("min_p", 0.0)):
+        value = getattr(req, name)
+        out[name] = off if value is None else value
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise ApiError(f"logit_bias token id {token} is not in [0, {vocab_size})", param="logit_bias")
+        bias.append((token, value))
+    out["logit_bias"] = tuple(sorted(bias))
+    return out

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import msgspec
+
 from pipeline import protocol
 from pipeline.hashing import content_hash
 from pipeline.processing.image import ImageDecodeError, check_source_size, read_image_size
@@ -18,6 +20,7 @@ from pipeline.proxy.api_types import (
     ChatMessage,
     CompletionRequest,
     image_url_of,
+    processor_fields,
     stop_strings,
     video_url_of,
 )
@@ -149,7 +152,7 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
             top_k=max(req.top_k or 0, 0),   # -1 and 0 both mean off
             top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
             stop=stop_strings(req.stop), stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos)
+            ignore_eos=req.ignore_eos, **processor_fields(req, model.processor.tokenizer.vocab_size))
         _check_sampling(sampling)
     except ValueError as exc:
         raise ApiError(str(exc)) from None
@@ -175,5 +178,4 @@ def _check_sampling(s: protocol.Sampling) -> None:
     """The generator checks again; here so a bad value is a 400 at once."""
     from pipeline.engine.request import SamplingParams
 
-    SamplingParams(s.max_tokens, s.min_tokens, s.temperature, s.top_k, s.top_p, s.seed, s.stop_token_ids,
-                   s.stop, s.ignore_eos)
+    SamplingParams(**msgspec.structs.asdict(s))

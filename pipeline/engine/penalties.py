@@ -1,0 +1,106 @@
+"""The logits processors a request can ask for, applied to a whole batch at
+once: logit_bias, the repetition, frequency and presence penalties, and
+min_p (the last after temperature, with the other cuts in the sampler).
+
+The penalties need each request's token counts. They live on the device in
+one pool with a row per penalised request, taken when it is added and given
+back when it ends. A step adds the batch's new tokens with one scatter, and
+penalises the batch with a few whole-tensor operations: no Python loop over
+tokens, and none over the batch beyond gathering its rows' settings.
+
+Semantics as the common servers and transformers have them:
+- repetition_penalty r (1: off): a token seen in the prompt or the output
+  has its logit divided by r if positive, multiplied by r if not;
+- frequency_penalty f and presence_penalty p (0: off), OpenAI's: the logit
+  minus f times the token's count in the output, minus p if it occurs there;
+- logit_bias: a number added to a token's logit;
+- min_p m (0: off): tokens less likely than m times the likeliest are cut.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.engine.request import SamplingParams
+
+
+def uses_penalties(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
+
+
+class PenaltyPool:
+    """Token counts of the penalised requests: `counts[row]` in the output,
+    `seen[row]` in the prompt or the output."""
+
+    def __init__(self, vocab_size: int, capacity: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.capacity = capacity
+        self.device = device
+        self.counts: torch.Tensor | None = None   # [capacity, vocab] float32, made on first use
+        self.seen: torch.Tensor | None = None     # [capacity, vocab] bool
+        self.free = list(range(capacity - 1, -1, -1))
+
+    def take(self, prompt_ids: list[int]) -> int:
+        """A row for a new request, its prompt's tokens marked as seen. The
+        pool doubles when full (preempted requests keep their rows)."""
+        if self.counts is None:
+            self.counts = torch.zeros(self.capacity, self.vocab_size, dtype=torch.float32, device=self.device)
+            self.seen = torch.zeros(self.capacity, self.vocab_size, dtype=torch.bool, device=self.device)
+        if not self.free:
+            self.free = list(range(2 * self.capacity - 1, self.capacity - 1, -1))
+            self.counts = torch.cat((self.counts, torch.zeros_like(self.counts)))
+            self.seen = torch.cat((self.seen, torch.zeros_like(self.seen)))
+            self.capacity *= 2
+        row = self.free.pop()
+        self.counts[row].zero_()
+        self.seen[row].zero_()
+        ids = torch.tensor([t for t in prompt_ids if 0 <= t < self.vocab_size], dtype=torch.long)
+        self.seen[row, ids.to(self.device)] = True
+        return row
+
+    def give_back(self, row: int) -> None:
+        self.free.append(row)
+
+    def record(self, rows: list[int], tokens: list[int]) -> None:
+        """The step's sampled tokens of these rows, in one scatter."""
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        token = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        self.counts.index_put_((index, token), torch.ones(len(rows), device=self.device), accumulate=True)
+        self.seen[index, token] = True
+
+
+def apply_bias_and_penalties(logits: torch.Tensor, params: list[SamplingParams], pool_rows: list[int | None],
+                             pool: PenaltyPool | None) -> None:
+    """In place on float32 logits [n, vocab]; row i is params[i]'s request,
+    whose counts are pool row pool_rows[i] (None: not penalised)."""
+    biased = [(i, token, bias) for i, p in enumerate(params) for token, bias in p.logit_bias]
+    if biased:
+        rows, tokens, values = zip(*biased)
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+    penalised = [i for i, row in enumerate(pool_rows) if row is not None]
+    if not penalised or pool is None:
+        return
+    batch = torch.tensor(penalised, device=logits.device)
+    slots = torch.tensor([pool_rows[i] for i in penalised], device=pool.device)
+    counts, seen = pool.counts[slots].to(logits.device), pool.seen[slots].to(logits.device)
+    column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device).unsqueeze(1)  # noqa: E731
+    repetition = column([params[i].repetition_penalty for i in penalised])
+    frequency = column([params[i].frequency_penalty for i in penalised])
+    presence = column([params[i].presence_penalty for i in penalised])
+    scores = logits[batch]
+    repeated = torch.where(scores > 0, scores / repetition, scores * repetition)
+    scores = torch.where(seen, repeated, scores)
+    scores = scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
+    logits[batch] = scores
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits [n, vocab] (temperature applied), min_p [n] (0: off) -> the
+    logits with the tokens under min_p times the likeliest set to -inf."""
+    probs = logits.softmax(-1)
+    floor = min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
+    return logits.masked_fill(probs < floor, float("-inf"))
