@@ -30,6 +30,7 @@ from pipeline.proxy.access import AccessPolicy
 from pipeline.proxy.dispatcher import Dispatcher
 from pipeline.proxy.media_fetch import FetchPolicy
 from pipeline.proxy.requests import ModelInfo
+from pipeline.proxy.sampling_defaults import sampling_defaults
 from pipeline.proxy.server import ProxyApp
 
 
@@ -59,6 +60,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
     p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for unset request fields: auto (the model's generation_config.json), "
+                   "vllm (none), or a folder holding one")
     p.add_argument("--mode", choices=("epd", "aggregated"), default="epd")
     p.add_argument("--encoders", action="append", default=[], help="encoder inbox(es); repeatable or comma-separated")
     p.add_argument("--generators", action="append", default=[], help="generator inbox(es)")
@@ -112,7 +116,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
     model = ModelInfo(model_id, processor, spec.language.max_context,
                       media_salt(model_id, processor.image_config.settings_key()),
                       aggregated=args.mode == "aggregated", max_images=args.max_images,
-                      served_names=tuple(args.served_model_name or ()))
+                      served_names=tuple(args.served_model_name or ()),
+                      defaults=sampling_defaults(args.generation_config, model_dir))
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout)

@@ -226,3 +226,31 @@ def test_the_logits_processors_reach_the_sampling_and_bad_values_are_400s(tiny_d
         with pytest.raises(api.ApiError, match=fragment) as caught:
             work(**fields)
         assert caught.value.status == 400
+
+
+def test_generation_config_defaults_apply_to_unset_fields_only(tiny_dir, tmp_path):
+    import json
+
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo
+    from pipeline.proxy.sampling_defaults import sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05,
+        "max_new_tokens": 7, "eos_token_id": [1, 2]}))
+    defaults = sampling_defaults(str(tmp_path), tiny_dir)
+    assert defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "max_tokens": 7}
+    assert sampling_defaults("vllm", tmp_path) == {} and sampling_defaults("auto", tiny_dir) == {}
+    model = ModelInfo("tiny", Processor.from_checkpoint(tiny_dir, image_token_id=0), 512, b"salt", defaults=defaults)
+
+    def sampling(**fields):
+        req = parse_body(json.dumps({"prompt": "x", **fields}).encode(), "completion")
+        return asyncio.run(completion_work(req, model, "r", "inproc://proxy")).request.sampling
+
+    s = sampling()
+    assert (s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.max_tokens) == (0.6, 20, 0.8, 1.05, 7)
+    s = sampling(temperature=0, top_k=-1, top_p=1.0, repetition_penalty=1.0, max_tokens=3)
+    assert (s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.max_tokens) == (0, 0, 1.0, 1.0, 3)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 0.5}))
+    with pytest.raises(ValueError, match="top_k must be an integer"):
+        sampling_defaults(str(tmp_path), tiny_dir)

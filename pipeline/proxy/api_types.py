@@ -192,14 +192,15 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(items)
 
 
-def processor_fields(req, vocab_size: int) -> dict:
+def processor_fields(req, vocab_size: int, defaults: dict | None = None) -> dict:
     """The request's logits processors as protocol.Sampling fields (unset:
-    off); logit_bias keys are token ids as strings, as OpenAI sends them."""
+    the checkpoint's default, else off); logit_bias keys are token ids as
+    strings, as OpenAI sends them."""
     out = {}
     for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                       ("min_p", 0.0)):
         value = getattr(req, name)
-        out[name] = off if value is None else value
+        out[name] = (defaults or {}).get(name, off) if value is None else value
     bias = []
     for key, value in (req.logit_bias or {}).items():
         try:

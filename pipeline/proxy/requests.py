@@ -5,7 +5,7 @@ sampling settings, check the context length."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -39,6 +39,7 @@ class ModelInfo:
     max_images: int = 16       # images and videos
     video_limits: VideoLimits = VideoLimits()
     served_names: tuple[str, ...] = ()   # what clients may call it (default: model_id)
+    defaults: dict = field(default_factory=dict)   # generation_config.json's, for unset request fields
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -139,7 +140,8 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
           options: VideoOptions | None) -> Work:
     ids = prompt.token_ids
     room = model.max_context - len(ids)
-    max_tokens = req.max_completion_tokens or req.max_tokens or room
+    defaults = model.defaults
+    max_tokens = req.max_completion_tokens or req.max_tokens or min(room, defaults.get("max_tokens", room))
     if max_tokens < 1 or len(ids) + max_tokens > model.max_context:
         raise ApiError(f"This model's maximum context length is {model.max_context} tokens. However, you "
                        f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} "
@@ -148,11 +150,11 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
     try:
         sampling = protocol.Sampling(
             max_tokens=max_tokens, min_tokens=req.min_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_k=max(req.top_k or 0, 0),   # -1 and 0 both mean off
-            top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+            temperature=_given(req.temperature, defaults, "temperature", 1.0),
+            top_k=max(_given(req.top_k, defaults, "top_k", 0), 0),   # -1 and 0 both mean off
+            top_p=_given(req.top_p, defaults, "top_p", 1.0), seed=req.seed,
             stop=stop_strings(req.stop), stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos, **processor_fields(req, model.processor.tokenizer.vocab_size))
+            ignore_eos=req.ignore_eos, **processor_fields(req, model.processor.tokenizer.vocab_size, defaults))
         _check_sampling(sampling)
     except ValueError as exc:
         raise ApiError(str(exc)) from None
@@ -172,6 +174,11 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
                                frames if item.kind == "video" else None)
             for i, (item, tokens) in enumerate(zip(items, item_tokens))]
     return Work(request, jobs, len(ids) + max_tokens)
+
+
+def _given(value, defaults: dict, name: str, off):
+    """The request's value, else the checkpoint's default, else `off`."""
+    return value if value is not None else defaults.get(name, off)
 
 
 def _check_sampling(s: protocol.Sampling) -> None:
