@@ -177,6 +177,7 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     presence_penalty: float = 0.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None   # the chosen token's logprob and the top k, per output token
 
 
 class GenerateRequest(_Msg, tag="generate"):
@@ -218,6 +219,8 @@ class TokenDelta(_Msg, tag="delta"):
     completion_tokens: int = 0
     error: str = ""
     status: int = 0
+    # Per token of token_ids when the request asked: (its logprob, the top ids, their logprobs).
+    logprobs: tuple[tuple[float, tuple[int, ...], tuple[float, ...]], ...] = ()
 
 
 class AbortRequest(_Msg, tag="abort"):

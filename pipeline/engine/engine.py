@@ -23,6 +23,7 @@ from pipeline.engine.plan import FinishedRequest, SchedulerConfig
 from pipeline.engine.request import ImageSpan, Request, RequestStatus, SamplingParams
 from pipeline.models.spec import span_rows
 from pipeline.engine.runner import ModelRunner, PromptGeometry
+from pipeline.engine.logprobs import batch_logprobs
 from pipeline.engine.penalties import PenaltyPool, uses_penalties
 from pipeline.engine.sampler import SamplingRow, make_generator, sample
 from pipeline.engine.scheduler import Scheduler
@@ -203,6 +204,7 @@ class Engine:
             self._encode_locally(plan.encode_keys)
         t2 = time.perf_counter()
         sampled: dict[str, int] = {}
+        logprobs: dict = {}
         if plan.chunks:
             cache = self.scheduler.encoder_cache
             due, logits = self.runner.execute(plan, {c.request_id: self.scheduler.get_request(c.request_id)
@@ -210,13 +212,20 @@ class Engine:
                                               {c.request_id: self.live[c.request_id].geometry
                                                for c in plan.chunks}, cache.get)
             rows = [self._sampling_row(c.request_id) for c in due]
+            asking = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+            # Taken before sample(), which may change the logits in place (a list index copies).
+            raw = logits[asking] if asking else None
             tokens = sample(logits, rows, self.penalties)
             sampled = dict(zip((c.request_id for c in due), tokens))
+            if asking:
+                found = batch_logprobs(raw, list(range(len(asking))), [tokens[i] for i in asking],
+                                       [rows[i].params.logprobs for i in asking])
+                logprobs = {due[i].request_id: lp for i, lp in zip(asking, found)}
             penalised = [(row.pool_row, token) for row, token in zip(rows, tokens) if row.pool_row is not None]
             self.penalties.record([r for r, _ in penalised], [t for _, t in penalised])
         t3 = time.perf_counter()
         finished = {f.request_id: f for f in self.scheduler.update(plan, sampled)}
-        outputs = [self._output(rid, token, finished.get(rid)) for rid, token in sampled.items()]
+        outputs = [self._output(rid, token, finished.get(rid), logprobs.get(rid)) for rid, token in sampled.items()]
         self.scheduler.encoder_cache.drain_freed()
         tokens = sum(c.num_tokens for c in plan.chunks)
         phases = {"schedule": t1 - t0, "forward": t3 - t2, "update": time.perf_counter() - t3}
@@ -259,16 +268,18 @@ class Engine:
         if live is not None and live.pool_row is not None:
             self.penalties.give_back(live.pool_row)
 
-    def _output(self, request_id: str, token: int, finished: FinishedRequest | None) -> RequestOutput:
+    def _output(self, request_id: str, token: int, finished: FinishedRequest | None,
+                logprobs=None) -> RequestOutput:
         live = self.live[request_id]
+        chosen = (logprobs,) if logprobs is not None else ()
         delta = live.text.push(token)
         request = self.scheduler.get_request(request_id)
         if finished is None and live.text.stopped:
             finished = self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
         if finished is None:
             return RequestOutput(request_id, (token,), delta, num_prompt_tokens=request.num_prompt_tokens,
-                                 num_output_tokens=request.num_output_tokens)
+                                 num_output_tokens=request.num_output_tokens, logprobs=chosen)
         delta += live.text.finish()
         self._forget(request_id)
         return RequestOutput(request_id, (token,), delta, True, finished.finish_reason,
-                             finished.num_prompt_tokens, len(finished.output_token_ids))
+                             finished.num_prompt_tokens, len(finished.output_token_ids), logprobs=chosen)

@@ -27,6 +27,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    logprobs: tuple = ()   # engine/logprobs.py's TokenLogprobs per new token, when asked for
 
 
 @dataclass

@@ -46,6 +46,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
+    logprobs: int | None = None       # None: none; k: the chosen token's and the top k (engine/logprobs.py)
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -81,6 +82,10 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             _check_int("logit_bias token id", token, 0)
             _check_number(f"logit_bias[{token}]", bias, -100.0, 100.0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+            if self.logprobs > 20:   # engine/logprobs.py's MAX_TOP_LOGPROBS
+                raise ValueError(f"at most 20 top logprobs, got {self.logprobs}")
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ class SamplingFields(msgspec.Struct):
     repetition_penalty: float | None = None
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = None   # chat: a bool (with top_logprobs); completions: the top count
+    top_logprobs: int | None = None
     # Accepted only at their neutral values (see NOT_YET_SUPPORTED).
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -88,8 +90,6 @@ class SamplingFields(msgspec.Struct):
     function_call: str | dict | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     prompt_logprobs: int | None = None
     best_of: int | None = None
     guided_json: str | dict | None = None
@@ -120,7 +120,7 @@ NOT_YET_SUPPORTED = {
     "tools": _neutral, "functions": _neutral, "function_call": lambda v: v in (None, "none"),
     "tool_choice": lambda v: v in (None, "none"), "parallel_tool_calls": lambda v: True,
     "response_format": lambda v: v is None or v == {"type": "text"},
-    "logprobs": _neutral, "top_logprobs": _neutral, "prompt_logprobs": _neutral,
+    "prompt_logprobs": _neutral,
     "best_of": lambda v: v in (None, 1),
     "guided_json": _neutral, "guided_regex": _neutral, "guided_choice": _neutral, "guided_grammar": _neutral,
     "structured_outputs": _neutral, "echo": _neutral, "suffix": lambda v: not v,
@@ -211,4 +211,21 @@ def processor_fields(req, vocab_size: int, defaults: dict | None = None) -> dict
             raise ApiError(f"logit_bias token id {token} is not in [0, {vocab_size})", param="logit_bias")
         bias.append((token, value))
     out["logit_bias"] = tuple(sorted(bias))
+    out["logprobs"] = logprobs_asked(req)
     return out
+
+
+def logprobs_asked(req) -> int | None:
+    """How many top logprobs per token the request wants (0: only the chosen
+    token's), or None: no logprobs."""
+    chat = hasattr(req, "messages")
+    if chat and req.top_logprobs and not req.logprobs:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if chat:
+        asked = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        asked = None if req.logprobs is None or req.logprobs is False else int(req.logprobs)
+    if asked is not None and not 0 <= asked <= 20:
+        raise ApiError(f"{'top_logprobs' if chat else 'logprobs'} must be in [0, 20], got {asked}",
+                       param="top_logprobs" if chat else "logprobs")
+    return asked

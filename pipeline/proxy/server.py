@@ -15,6 +15,7 @@ from pipeline import protocol
 from pipeline.proxy.access import MODEL_NAME_KEY, AccessPolicy, add_cors, echo_request_id, error_middleware
 from pipeline.proxy.api_types import ApiError, parse_body
 from pipeline.proxy.dispatcher import Dispatcher, Flight
+from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
 from pipeline.proxy.media_fetch import FetchPolicy, guarded_session
 from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
@@ -177,13 +178,18 @@ class ProxyApp:
                     flight.deltas.put_nowait(CLIENT_GONE)
 
     async def _whole(self, request, rid, flight, delta, chat):
-        text, last = delta.text, delta
+        text, last, entries = delta.text, delta, entries_of(delta)
         while not last.finished:
             last = await self._next(flight)
             text += last.text
+            entries += entries_of(last)
         if last.error:
             return _error_response(last)
         body = _response(rid, request[MODEL_NAME_KEY], text, last, chat)
+        if flight.work.request.sampling.logprobs is not None:
+            tokenizer = self.model.processor.tokenizer
+            body["choices"][0]["logprobs"] = (chat_logprobs(tokenizer, entries) if chat else
+                                              completion_logprobs(tokenizer, entries))
         return web.json_response(body)
 
     async def _open_stream(self, request, rid, chat) -> _Stream:
@@ -201,9 +207,12 @@ class ProxyApp:
                 await stream.send({"error": {"message": delta.error, "type": "server_error",
                                              "code": delta.status or 500}})
                 break
-            if delta.text or delta.finished:
+            if delta.text or delta.finished or delta.logprobs:
                 payload = {"content": delta.text} if stream.chat else delta.text
-                await stream.send(stream.chunk(payload, delta.finish_reason or None))
+                chunk = stream.chunk(payload, delta.finish_reason or None)
+                if flight.work.request.sampling.logprobs is not None:
+                    chunk["choices"][0]["logprobs"] = self._chunk_logprobs(stream, delta)
+                await stream.send(chunk)
             if delta.finished:
                 if req.stream_options is not None and req.stream_options.include_usage:
                     usage = stream.chunk(None, None)
@@ -214,6 +223,14 @@ class ProxyApp:
         await stream.response.write(b"data: [DONE]\n\n")
         await stream.response.write_eof()
         return stream.response
+
+    def _chunk_logprobs(self, stream: _Stream, delta: protocol.TokenDelta) -> dict:
+        tokenizer = self.model.processor.tokenizer
+        if stream.chat:
+            return chat_logprobs(tokenizer, entries_of(delta))
+        found = completion_logprobs(tokenizer, entries_of(delta), stream.text_offset)
+        stream.text_offset += sum(len(t) for t in found["tokens"])
+        return found
 
     def _record(self, flight: Flight, delta: protocol.TokenDelta) -> None:
         now = time.monotonic()
@@ -260,6 +277,7 @@ class _Stream:
     model_id: str
     created: int
     chat: bool
+    text_offset: int = 0   # the completions API's logprobs count characters from the start
 
     def chunk(self, payload, finish_reason) -> dict:
         choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}

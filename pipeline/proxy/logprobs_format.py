@@ -1,0 +1,36 @@
+"""Token log-probabilities in the OpenAI shapes: chat's `logprobs.content`
+list and the completions API's parallel lists."""
+
+from __future__ import annotations
+
+# (token id, (its logprob, the top ids, their logprobs)), per output token.
+Entry = tuple[int, tuple[float, tuple[int, ...], tuple[float, ...]]]
+
+
+def entries_of(delta) -> list[Entry]:
+    return list(zip(delta.token_ids, delta.logprobs)) if delta.logprobs else []
+
+
+def _text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer, entries: list[Entry]) -> dict:
+    def item(token: int, logprob: float) -> dict:
+        text = _text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(token, logprob), "top_logprobs": [item(t, lp) for t, lp in zip(ids, values)]}
+                        for token, (logprob, ids, values) in entries]}
+
+
+def completion_logprobs(tokenizer, entries: list[Entry], offset: int = 0) -> dict:
+    """offset: where this piece's text starts in the whole completion."""
+    tokens = [_text(tokenizer, token) for token, _ in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _, _) in entries],
+            "top_logprobs": [{_text(tokenizer, t): v for t, v in zip(ids, values)} for _, (_, ids, values) in entries],
+            "text_offset": offsets}

@@ -1,0 +1,134 @@
+"""Log-probabilities against transformers (CPU, float32, the tiny
+checkpoint): the chosen token's and the top 5 of greedy chat equal the
+reference model's log_softmax within 1e-4, from the engine and through the
+served stack (openai SDK, chat streamed and not, completions' shape)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_image
+from pipeline.engine.engine import Engine, EngineConfig
+from pipeline.engine.request import SamplingParams
+from pipeline.models.loader import load_model
+from pipeline.processing.image import preprocess_images
+from pipeline.processing.processor import Processor
+
+pytest.importorskip("transformers")
+from reference_oracle import Reference  # noqa: E402
+
+TEXT = "Name three colours."
+TOP = 5
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    return Reference(tiny_dir)
+
+
+def reference_logprobs(ref, text, images, tokens):
+    """The reference's log_softmax at each generated position: [len(tokens), vocab]."""
+    inputs = ref.inputs(text, images)
+    prompt_len = inputs.input_ids.shape[1]
+    ids = torch.cat([inputs.input_ids, torch.tensor([tokens])], dim=1)
+    kwargs = inputs.generate_kwargs()
+    kwargs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  mm_token_type_ids=torch.cat([inputs.mm_token_type_ids, torch.zeros(1, len(tokens), dtype=torch.int)],
+                                              dim=1))
+    with torch.no_grad():
+        logits = ref.model(**kwargs).logits[0]
+    return logits[prompt_len - 1:prompt_len - 1 + len(tokens)].log_softmax(-1)
+
+
+def assert_close(ours, expected_row, token):
+    """ours: (chosen logprob, top ids, top logprobs)."""
+    chosen, ids, values = ours
+    top_values, top_ids = expected_row.topk(len(ids))
+    assert abs(chosen - expected_row[token].item()) <= 1e-4
+    assert list(ids) == top_ids.tolist()
+    assert max(abs(a - b) for a, b in zip(values, top_values.tolist())) <= 1e-4
+
+
+@pytest.mark.parametrize("num_images", [0, 1])
+def test_engine_logprobs_equal_the_reference(tiny_dir, reference, num_images):
+    loaded = load_model(tiny_dir)
+    processor = Processor.from_checkpoint(tiny_dir, loaded.config.image_token_id)
+    images = [random_image(48, 80, seed=4)][:num_images]
+    messages = [{"role": "user", "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": TEXT}]}]
+    prompt = processor.chat_prompt(messages, [(im.height, im.width) for im in images])
+    inputs = [(pixels, tuple(grid[0].tolist())) for pixels, grid in
+              (preprocess_images([im], processor.image_config) for im in images)]
+    engine = Engine(loaded.model, processor.tokenizer, EngineConfig(aggregated=True, kv_cache_bytes=8 << 20),
+                    torch.device("cpu"))
+    engine.add_request("asks", prompt, ["img"] * num_images,
+                       SamplingParams(max_tokens=10, ignore_eos=True, logprobs=TOP), inputs or None)
+    engine.add_request("plain", prompt, ["img"] * num_images, SamplingParams(max_tokens=10, ignore_eos=True),
+                       inputs or None)
+    tokens, logprobs, plain = [], [], []
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id == "asks":
+                tokens += out.new_token_ids
+                logprobs += out.logprobs
+            else:
+                plain += out.new_token_ids
+                assert out.logprobs == ()
+    assert tokens == plain and len(logprobs) == len(tokens) == 10
+    expected = reference_logprobs(reference, TEXT, images, tokens)
+    for i, token in enumerate(tokens):
+        assert_close(logprobs[i], expected[i], token)
+        assert logprobs[i][1][0] == token   # greedy: the chosen token is the likeliest
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir, tmp_path_factory):
+    from e2e_helpers import serving
+    from stack import Stack
+
+    yield from serving(Stack(tmp_path_factory.mktemp("logprobs"), tiny_dir, encoders=1, generators=1))
+
+
+def test_chat_logprobs_through_the_api(served, reference):
+    from e2e_helpers import client
+
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": TEXT}]}], max_tokens=8,
+                  temperature=0,
+                  logprobs=True, top_logprobs=TOP, extra_body={"ignore_eos": True})
+    whole = client(served).chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 8
+    streamed = []
+    for chunk in client(served).chat.completions.create(**kwargs, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    # Greedy output is token-identical to the reference's: its ids are the API's tokens.
+    tokens = reference.greedy(reference.inputs(TEXT, []), 8)
+    assert [c.token for c in content] == [reference.tokenizer.decode([t]) for t in tokens]
+    expected = reference_logprobs(reference, TEXT, [], tokens)
+    assert "".join(c.token for c in content) == whole.choices[0].message.content
+    for i, entry in enumerate(content):
+        assert abs(entry.logprob - expected[i, tokens[i]].item()) <= 1e-4
+        assert len(entry.top_logprobs) == TOP and entry.top_logprobs[0].logprob == entry.logprob
+        top = expected[i].topk(TOP).values.tolist()
+        assert max(abs(t.logprob - v) for t, v in zip(entry.top_logprobs, top)) <= 1e-4
+        assert entry.bytes == list(entry.token.encode())
+    refused = client(served).chat.completions.with_raw_response.create
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        refused(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, top_logprobs=3)
+
+
+def test_completion_logprobs_through_the_api(served):
+    from e2e_helpers import client
+
+    reply = client(served).completions.create(model="tiny", prompt="One two", max_tokens=6, temperature=0,
+                                              logprobs=3, extra_body={"ignore_eos": True})
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == reply.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(chosen)
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
