@@ -122,13 +122,15 @@ def test_chat_logprobs_through_the_api(served, reference):
 
 
 def test_completion_logprobs_through_the_api(served):
-    from e2e_helpers import client
+    import httpx
 
-    reply = client(served).completions.create(model="tiny", prompt="One two", max_tokens=6, temperature=0,
-                                              logprobs=3, extra_body={"ignore_eos": True})
-    lp = reply.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
-    assert "".join(lp.tokens) == reply.choices[0].text
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
-    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(chosen)
-               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    # Raw JSON: the top_logprobs dicts are keyed by token text, control characters included.
+    reply = httpx.post(served.base_url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "One two", "max_tokens": 6, "temperature": 0, "logprobs": 3,
+        "ignore_eos": True}).json()
+    lp = reply["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 6
+    assert "".join(lp["tokens"]) == reply["choices"][0]["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(6)]
+    for token, top, chosen in zip(lp["tokens"], lp["top_logprobs"], lp["token_logprobs"]):
+        assert len(top) <= 3 and top[token] == pytest.approx(chosen) and max(top.values()) == pytest.approx(chosen)

@@ -32,5 +32,14 @@ def completion_logprobs(tokenizer, entries: list[Entry], offset: int = 0) -> dic
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _, _) in entries],
-            "top_logprobs": [{_text(tokenizer, t): v for t, v in zip(ids, values)} for _, (_, ids, values) in entries],
+            "top_logprobs": [_top_dict(tokenizer, ids, values) for _, (_, ids, values) in entries],
             "text_offset": offsets}
+
+
+def _top_dict(tokenizer, ids: tuple[int, ...], values: tuple[float, ...]) -> dict[str, float]:
+    """Keyed by token text, where tokens of a partial UTF-8 character all read
+    '\ufffd': the likeliest of those keeps the key."""
+    out: dict[str, float] = {}
+    for token, value in zip(ids, values):
+        out.setdefault(_text(tokenizer, token), value)
+    return out
