@@ -148,6 +148,9 @@ class Engine:
         (pixel_values, grid), encoded here when the scheduler says so."""
         if len(image_keys) != len(prompt.image_spans):
             raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
+        vocab = self.model.spec.language.vocab_size
+        if any(token >= vocab for token, _ in params.logit_bias):
+            raise ValueError(f"logit_bias names a token id outside this model's vocabulary of {vocab}")
         rows = span_rows(self.model.spec, prompt.grids, prompt.image_spans)
         spans = tuple(ImageSpan(start, length, key, r.offset, r.item_tokens)
                       for (start, length), key, r in zip(prompt.image_spans, image_keys, rows))

@@ -3,8 +3,8 @@ once: logit_bias, the repetition, frequency and presence penalties, and
 min_p (the last after temperature, with the other cuts in the sampler).
 
 The penalties need each request's token counts. They live on the device in
-one pool with a row per penalised request, taken when it is added and given
-back when it ends. A step adds the batch's new tokens with one scatter, and
+one pool with a row per penalised request, taken when its first token is
+sampled and given back when it ends (about 0.7 MB a row at a 150k vocabulary). A step adds the batch's new tokens with one scatter, and
 penalises the batch with a few whole-tensor operations: no Python loop over
 tokens, and none over the batch beyond gathering its rows' settings.
 

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.engine.block_table import BlockTable
+from pipeline.engine.logprobs import MAX_TOP_LOGPROBS
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -84,8 +85,8 @@ class SamplingParams:
             _check_number(f"logit_bias[{token}]", bias, -100.0, 100.0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
-            if self.logprobs > 20:   # engine/logprobs.py's MAX_TOP_LOGPROBS
-                raise ValueError(f"at most 20 top logprobs, got {self.logprobs}")
+            if self.logprobs > MAX_TOP_LOGPROBS:
+                raise ValueError(f"at most {MAX_TOP_LOGPROBS} top logprobs, got {self.logprobs}")
 
 
 @dataclass(frozen=True)
