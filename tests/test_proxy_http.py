@@ -39,7 +39,7 @@ def chat_body(**extra) -> dict:
 REFUSED = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
     "functions": [{"name": "f"}], "function_call": "auto", "response_format": {"type": "json_object"},
-    "logprobs": True, "top_logprobs": 3, "prompt_logprobs": 1, "best_of": 2,
+    "prompt_logprobs": 1, "best_of": 2,
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= x",
     "structured_outputs": {"json": {}},
 }
@@ -144,8 +144,8 @@ def test_request_ids_and_the_json_error_shape(tiny_dir, tmp_path):
         assert error["code"] == 404 and "/v1/nothing-here" in error["message"]
         wrong_method = await client.get(CHAT)
         assert wrong_method.status == 405 and (await wrong_method.json())["error"]["code"] == 405
-        refused = await client.post(CHAT, json=chat_body(logprobs=True))
-        assert refused.status == 400 and (await refused.json())["error"]["param"] == "logprobs"
+        refused = await client.post(CHAT, json=chat_body(response_format={"type": "json_object"}))
+        assert refused.status == 400 and (await refused.json())["error"]["param"] == "response_format"
 
     serve(tiny_dir, tmp_path, scenario=scenario)
 

@@ -65,7 +65,8 @@ def test_image_url_policy(tmp_path):
     (b"{\"messages\": [", "malformed JSON"),
     (b"[1, 2]", "invalid request"),
     (b'{"messages": "hi"}', "invalid request"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "n=1"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "n": 17}', "n must be in"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', "n must be in"),
     (b'{"messages": []}', "non-empty"),
     (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', "max_tokens"),
 ])

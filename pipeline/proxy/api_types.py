@@ -135,6 +135,7 @@ def refused_field(request) -> str | None:
     return None
 
 
+MAX_N = 16   # choices a request may ask for (each is a generate request of its own)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
@@ -154,8 +155,8 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
         request = decode_json(body, ChatCompletionRequest, _chat_decoder)
     else:
         request = decode_json(body, CompletionRequest, _completion_decoder)
-    if request.n != 1:
-        raise ApiError("only n=1 is supported", param="n")
+    if not 1 <= request.n <= MAX_N:
+        raise ApiError(f"n must be in [1, {MAX_N}], got {request.n}", param="n")
     if (field := refused_field(request)) is not None:
         raise ApiError(f"'{field}' is not supported by this server yet; leave it unset", param=field)
     if request.top_k is not None and request.top_k < -1:

@@ -18,7 +18,9 @@ from pipeline.proxy.dispatcher import Dispatcher, Flight
 from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
 from pipeline.proxy.media_fetch import FetchPolicy, guarded_session
 from pipeline.proxy.metrics import ProxyMetrics
+from pipeline.proxy.fanout import ManyChoices, copies
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
+from pipeline.proxy.responses import error_response, response_body, usage_of
 from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
 
 MAX_BODY = 64 << 20
@@ -29,7 +31,7 @@ DRAIN_POLL_S = 0.05      # how often a stopping proxy looks whether its requests
 log = logging.getLogger("epd.proxy")
 
 
-class ProxyApp:
+class ProxyApp(ManyChoices):
     def __init__(self, dispatcher: Dispatcher, model: ModelInfo, policy: FetchPolicy,
                  drain_timeout: float = 30.0, access: AccessPolicy = AccessPolicy()) -> None:
         self.dispatcher = dispatcher
@@ -109,6 +111,8 @@ class ProxyApp:
         request[MODEL_NAME_KEY] = self.model.check_name(req.model)
         rid = "chatcmpl-" + self.dispatcher.new_request_id()
         work = await chat_work(req, self.model, self.policy, rid, self.dispatcher.address, self.session)
+        if req.n > 1:
+            return await self._serve_many(request, req, copies(work, req.n), chat=True)
         return await self._serve(request, req, work, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -116,6 +120,8 @@ class ProxyApp:
         request[MODEL_NAME_KEY] = self.model.check_name(req.model)
         rid = "cmpl-" + self.dispatcher.new_request_id()
         work = await completion_work(req, self.model, rid, self.dispatcher.address)
+        if req.n > 1:
+            return await self._serve_many(request, req, copies(work, req.n), chat=False)
         return await self._serve(request, req, work, chat=False)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -149,7 +155,7 @@ class ProxyApp:
                 return await self._stream(stream, req, flight, await self._next(flight))
             first = await self._next(flight)
             if first.finished and first.error:
-                return _error_response(first)   # e.g. a bad image: a 4xx, not a broken stream
+                return error_response(first)   # e.g. a bad image: a 4xx, not a broken stream
             if req.stream:
                 return await self._stream(await self._open_stream(request, rid, chat), req, flight, first)
             return await self._whole(request, rid, flight, first, chat)
@@ -184,8 +190,8 @@ class ProxyApp:
             text += last.text
             entries += entries_of(last)
         if last.error:
-            return _error_response(last)
-        body = _response(rid, request[MODEL_NAME_KEY], text, last, chat)
+            return error_response(last)
+        body = response_body(rid, request[MODEL_NAME_KEY], text, last, chat)
         if flight.work.request.sampling.logprobs is not None:
             tokenizer = self.model.processor.tokenizer
             body["choices"][0]["logprobs"] = (chat_logprobs(tokenizer, entries) if chat else
@@ -216,7 +222,7 @@ class ProxyApp:
             if delta.finished:
                 if req.stream_options is not None and req.stream_options.include_usage:
                     usage = stream.chunk(None, None)
-                    usage["choices"], usage["usage"] = [], _usage(delta)
+                    usage["choices"], usage["usage"] = [], usage_of(delta)
                     await stream.send(usage)
                 break
             delta = await self._next(flight)
@@ -244,28 +250,6 @@ class ProxyApp:
             self.metrics.ttft.observe(flight.first_token_at - flight.created)
             if flight.tokens > 1:
                 self.metrics.tpot.observe((now - flight.first_token_at) / (flight.tokens - 1))
-
-
-def _error_response(delta: protocol.TokenDelta) -> web.Response:
-    """A request that ended in failure (already counted by the dispatcher)."""
-    status = delta.status or 500
-    error = ApiError(delta.error, status=status, kind="invalid_request_error" if status < 500 else "server_error")
-    return web.json_response(error.body(), status=status)
-
-
-def _usage(delta: protocol.TokenDelta) -> dict:
-    return {"prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens,
-            "total_tokens": delta.prompt_tokens + delta.completion_tokens}
-
-
-def _response(rid, model_id, text, last, chat) -> dict:
-    choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model_id, "choices": [choice], "usage": _usage(last)}
 
 
 @dataclass

@@ -1,0 +1,158 @@
+"""n > 1: one request, n choices.
+
+The proxy sends n copies of the generate request: ids `rid.0` ... `rid.n-1`,
+seeds `seed`, `seed + 1`, ... when the request is seeded (so its n answers
+are the same on every run, wherever each copy runs), and each copy its own
+encode jobs (the encoders' single flight encodes a shared image once). The
+copies' deltas are merged into one answer whose choices carry their index;
+usage counts the prompt once and every choice's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from aiohttp import web
+
+from pipeline.proxy.access import MODEL_NAME_KEY
+from pipeline.proxy.api_types import ApiError
+from pipeline.proxy.dispatcher import Flight, Work
+from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
+from pipeline.proxy.responses import error_response, response_body
+
+
+def copies(work: Work, n: int) -> list[Work]:
+    """The n requests one API request with `n` stands for."""
+    if n == 1:
+        return [work]
+    out = []
+    for i in range(n):
+        request, sampling = work.request, work.request.sampling
+        rid = f"{request.request_id}.{i}"
+        seeded = msgspec.structs.replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
+        jobs = [msgspec.structs.replace(job, job_id=f"{job.job_id}.{i}", request_id=rid) for job in work.jobs]
+        out.append(Work(msgspec.structs.replace(request, request_id=rid, sampling=seeded), jobs, work.cost))
+    return out
+
+
+class ManyChoices:
+    """ProxyApp's serving of n copies (a mixin: it uses the app's dispatcher,
+    client registry, delta reader, stream opener and metrics)."""
+
+    async def _serve_many(self, request: web.Request, req, works: list[Work], chat: bool) -> web.StreamResponse:
+        if self.stopping:    # as in _serve: the drain ended while it read its images
+            raise ApiError("the server stopped before this request was sent on", status=503, kind="server_busy")
+        flights: list[Flight] = []
+        try:
+            for work in works:
+                flights.append(self.dispatcher.submit(work))
+                self._clients[work.request.request_id] = (request, flights[-1])
+            firsts = [await self._next(flight) for flight in flights]
+            if failed := next((d for d in firsts if d.finished and d.error), None):
+                self._abort_all(flights)
+                return error_response(failed)
+            rid = works[0].request.request_id.rsplit(".", 1)[0]
+            if req.stream:
+                return await self._stream_many(request, req, rid, flights, firsts, chat)
+            return await self._whole_many(request, rid, flights, firsts, chat)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self._abort_all(flights)
+            self.metrics.requests.labels("aborted").inc()
+            raise
+        except BaseException:
+            self._abort_all(flights)   # e.g. the dispatcher refused a later copy (503)
+            raise
+        finally:
+            for work in works:
+                self._clients.pop(work.request.request_id, None)
+
+    def _abort_all(self, flights: list[Flight]) -> None:
+        for flight in flights:
+            if self.dispatcher.abort(flight.work.request.request_id):
+                self.metrics.generation_tokens.inc(flight.tokens)
+
+    async def _whole_many(self, request, rid: str, flights: list[Flight], firsts, chat: bool) -> web.Response:
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        tokenizer = self.model.processor.tokenizer
+        for index, (flight, delta) in enumerate(zip(flights, firsts)):
+            text, last, entries = delta.text, delta, entries_of(delta)
+            while not last.finished:
+                last = await self._next(flight)
+                text += last.text
+                entries += entries_of(last)
+            if last.error:
+                self._abort_all(flights)
+                return error_response(last)
+            choice = response_body(rid, request[MODEL_NAME_KEY], text, last, chat)["choices"][0]
+            choice["index"] = index
+            if flight.work.request.sampling.logprobs is not None:
+                choice["logprobs"] = (chat_logprobs(tokenizer, entries) if chat else
+                                      completion_logprobs(tokenizer, entries))
+            choices.append(choice)
+            prompt_tokens, completion_tokens = last.prompt_tokens, completion_tokens + last.completion_tokens
+        body = response_body(rid, request[MODEL_NAME_KEY], "", firsts[0], chat)
+        body["choices"] = choices
+        body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+        return web.json_response(body)
+
+    async def _stream_many(self, request, req, rid: str, flights: list[Flight], firsts, chat: bool):
+        stream = await self._open_stream(request, rid, chat)
+        if chat:
+            for index in range(1, len(flights)):
+                role = stream.chunk({"role": "assistant", "content": ""}, None)
+                role["choices"][0]["index"] = index
+                await stream.send(role)
+        merged: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(i, f, d, merged)) for i, (f, d) in enumerate(zip(flights, firsts))]
+        try:
+            await self._send_merged(stream, req, flights, merged, chat)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+        await stream.response.write(b"data: [DONE]\n\n")
+        await stream.response.write_eof()
+        return stream.response
+
+    async def _pump(self, index: int, flight: Flight, delta, merged: asyncio.Queue) -> None:
+        try:
+            merged.put_nowait((index, delta))
+            while not delta.finished:
+                delta = await self._next(flight)
+                merged.put_nowait((index, delta))
+        except ConnectionResetError as exc:
+            merged.put_nowait((index, exc))
+
+    async def _send_merged(self, stream, req, flights: list[Flight], merged: asyncio.Queue, chat: bool) -> None:
+        tokenizer = self.model.processor.tokenizer
+        offsets = [0] * len(flights)
+        done, prompt_tokens, completion_tokens = 0, 0, 0
+        while done < len(flights):
+            index, delta = await merged.get()
+            if isinstance(delta, Exception):
+                raise delta
+            if delta.error:
+                self._abort_all(flights)
+                await stream.send({"error": {"message": delta.error, "type": "server_error",
+                                             "code": delta.status or 500}})
+                return
+            chunk = stream.chunk({"content": delta.text} if chat else delta.text, delta.finish_reason or None)
+            chunk["choices"][0]["index"] = index
+            if flights[index].work.request.sampling.logprobs is not None:
+                entries = entries_of(delta)
+                found = chat_logprobs(tokenizer, entries) if chat else completion_logprobs(
+                    tokenizer, entries, offsets[index])
+                offsets[index] += 0 if chat else sum(len(t) for t in found["tokens"])
+                chunk["choices"][0]["logprobs"] = found
+            if delta.text or delta.finished or delta.logprobs:
+                await stream.send(chunk)
+            if delta.finished:
+                done += 1
+                prompt_tokens, completion_tokens = delta.prompt_tokens, completion_tokens + delta.completion_tokens
+        if req.stream_options is not None and req.stream_options.include_usage:
+            usage = stream.chunk(None, None)
+            usage["choices"], usage["usage"] = [], {"prompt_tokens": prompt_tokens,
+                                                    "completion_tokens": completion_tokens,
+                                                    "total_tokens": prompt_tokens + completion_tokens}
+            await stream.send(usage)
