@@ -74,21 +74,12 @@ class ManyChoices:
 
     async def _whole_many(self, request, rid: str, flights: list[Flight], firsts, chat: bool) -> web.Response:
         choices, prompt_tokens, completion_tokens = [], 0, 0
-        tokenizer = self.model.processor.tokenizer
         for index, (flight, delta) in enumerate(zip(flights, firsts)):
-            text, last, entries = delta.text, delta, entries_of(delta)
-            while not last.finished:
-                last = await self._next(flight)
-                text += last.text
-                entries += entries_of(last)
+            last, choice = await self._choice(request, rid, flight, delta, chat)
             if last.error:
                 self._abort_all(flights)
                 return error_response(last)
-            choice = response_body(rid, request[MODEL_NAME_KEY], text, last, chat)["choices"][0]
             choice["index"] = index
-            if flight.work.request.sampling.logprobs is not None:
-                choice["logprobs"] = (chat_logprobs(tokenizer, entries) if chat else
-                                      completion_logprobs(tokenizer, entries))
             choices.append(choice)
             prompt_tokens, completion_tokens = last.prompt_tokens, completion_tokens + last.completion_tokens
         body = response_body(rid, request[MODEL_NAME_KEY], "", firsts[0], chat)

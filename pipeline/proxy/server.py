@@ -184,19 +184,26 @@ class ProxyApp(ManyChoices):
                     flight.deltas.put_nowait(CLIENT_GONE)
 
     async def _whole(self, request, rid, flight, delta, chat):
+        last, choice = await self._choice(request, rid, flight, delta, chat)
+        if last.error:
+            return error_response(last)
+        body = response_body(rid, request[MODEL_NAME_KEY], "", last, chat)
+        body["choices"] = [choice]
+        return web.json_response(body)
+
+    async def _choice(self, request, rid, flight, delta, chat) -> tuple[protocol.TokenDelta, dict]:
+        """Read a flight to its end: (its last delta, its choice of the answer)."""
         text, last, entries = delta.text, delta, entries_of(delta)
         while not last.finished:
             last = await self._next(flight)
             text += last.text
             entries += entries_of(last)
-        if last.error:
-            return error_response(last)
-        body = response_body(rid, request[MODEL_NAME_KEY], text, last, chat)
+        choice = response_body(rid, request[MODEL_NAME_KEY], text, last, chat)["choices"][0]
         if flight.work.request.sampling.logprobs is not None:
             tokenizer = self.model.processor.tokenizer
-            body["choices"][0]["logprobs"] = (chat_logprobs(tokenizer, entries) if chat else
-                                              completion_logprobs(tokenizer, entries))
-        return web.json_response(body)
+            choice["logprobs"] = (chat_logprobs(tokenizer, entries) if chat else
+                                  completion_logprobs(tokenizer, entries))
+        return last, choice
 
     async def _open_stream(self, request, rid, chat) -> _Stream:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
