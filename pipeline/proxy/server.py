@@ -15,10 +15,10 @@ from pipeline import protocol
 from pipeline.proxy.access import MODEL_NAME_KEY, AccessPolicy, add_cors, echo_request_id, error_middleware
 from pipeline.proxy.api_types import ApiError, parse_body
 from pipeline.proxy.dispatcher import Dispatcher, Flight
+from pipeline.proxy.fanout import ManyChoices, copies
 from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
 from pipeline.proxy.media_fetch import FetchPolicy, guarded_session
 from pipeline.proxy.metrics import ProxyMetrics
-from pipeline.proxy.fanout import ManyChoices, copies
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
 from pipeline.proxy.responses import error_response, response_body, usage_of
 from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
