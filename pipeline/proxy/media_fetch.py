@@ -104,8 +104,10 @@ async def _from_http(url: str, policy: FetchPolicy, session, kind: str) -> bytes
                     if response.status != 200:
                         raise ApiError(f"{kind} URL answered HTTP {response.status}")
                     return await _read_capped(response, policy, kind)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise ApiError(f"cannot fetch {kind} URL: {type(exc).__name__} (timeout {policy.http_timeout:g} s)") from None
+    except TimeoutError:
+        raise ApiError(f"cannot fetch {kind} URL: timed out after {policy.http_timeout:g} s") from None
+    except aiohttp.ClientError as exc:
+        raise ApiError(f"cannot fetch {kind} URL: {type(exc).__name__}") from None
     raise ApiError(f"{kind} URL redirected more than {policy.max_redirects} times")
 
 
