@@ -178,6 +178,7 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None   # the chosen token's logprob and the top k, per output token
+    grammar: str = ""             # llguidance's grammar the output must follow (structured output)
 
 
 class GenerateRequest(_Msg, tag="generate"):

@@ -38,9 +38,9 @@ def chat_body(**extra) -> dict:
 
 REFUSED = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
-    "functions": [{"name": "f"}], "function_call": "auto", "response_format": {"type": "json_object"},
+    "functions": [{"name": "f"}], "function_call": "auto",
     "prompt_logprobs": 1, "best_of": 2,
-    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= x",
+    "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= x",
     "structured_outputs": {"json": {}},
 }
 
@@ -55,7 +55,7 @@ def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
         with pytest.raises(api.ApiError) as caught:
             parse_body(json.dumps(chat_body(**{field: value})).encode(), "chat")
         assert caught.value.param == field and f"'{field}'" in str(caught.value) and caught.value.status == 400
-    neutral = dict(tools=[], tool_choice="none", response_format={"type": "text"}, logprobs=False, top_logprobs=0,
+    neutral = dict(tools=[], tool_choice="none", logprobs=False, top_logprobs=0,
                    best_of=1, parallel_tool_calls=True)
     parse_body(json.dumps(chat_body(**neutral)).encode(), "chat")
     for field, value in (("echo", True), ("suffix", "tail")):
@@ -144,8 +144,8 @@ def test_request_ids_and_the_json_error_shape(tiny_dir, tmp_path):
         assert error["code"] == 404 and "/v1/nothing-here" in error["message"]
         wrong_method = await client.get(CHAT)
         assert wrong_method.status == 405 and (await wrong_method.json())["error"]["code"] == 405
-        refused = await client.post(CHAT, json=chat_body(response_format={"type": "json_object"}))
-        assert refused.status == 400 and (await refused.json())["error"]["param"] == "response_format"
+        refused = await client.post(CHAT, json=chat_body(tool_choice="required"))
+        assert refused.status == 400 and (await refused.json())["error"]["param"] == "tool_choice"
 
     serve(tiny_dir, tmp_path, scenario=scenario)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from pipeline.engine.plan import FinishedRequest, SchedulerConfig
 from pipeline.engine.request import ImageSpan, Request, RequestStatus, SamplingParams
 from pipeline.models.spec import span_rows
 from pipeline.engine.runner import ModelRunner, PromptGeometry
+from pipeline.engine.grammar import Grammars
 from pipeline.engine.logprobs import batch_logprobs
 from pipeline.engine.penalties import PenaltyPool, uses_penalties
 from pipeline.engine.sampler import SamplingRow, make_generator, sample
@@ -80,6 +82,7 @@ class _Live:
     generator: torch.Generator | None
     image_inputs: dict[str, tuple[torch.Tensor, tuple[int, int, int]]]
     pool_row: int | None = None   # in the engine's PenaltyPool, from the request's first sampled token on
+    matcher: Any = None           # its grammar's matcher (structured output), if any
 
 
 class Engine:
@@ -116,6 +119,7 @@ class Engine:
         self.runner = ModelRunner(model, kv, device, decode, self._mixed(model, kv, num_blocks, decode, device))
         self.live: dict[str, _Live] = {}
         self.penalties = PenaltyPool(lang.vocab_size, config.max_num_seqs, device)
+        self._grammars: Grammars | None = None   # made on the first request with a grammar (about 1 s)
         self.pending_embeddings: dict[str, tuple[torch.Tensor, float]] = {}
         self.refetch: list[str] = []
         self.profile = StepProfile()   # per-window step timings, for the generator's log
@@ -163,10 +167,11 @@ class Engine:
         positions, delta = self.model.prompt_positions(len(prompt.token_ids), prompt.image_spans, prompt.grids,
                                                        list(prompt.seconds_per_grid) or None)
         inputs = dict(zip(image_keys, image_inputs)) if image_inputs else {}
+        matcher = self.grammars().matcher(params.grammar) if params.grammar else None   # GrammarError: a 400
         self.scheduler.add_request(request)
         self.live[request_id] = _Live(PromptGeometry(positions, delta),
                                       TextState.create(self.tokenizer, params.stop),
-                                      make_generator(params), inputs)
+                                      make_generator(params), inputs, matcher=matcher)
 
     def add_embedding(self, key: str, embedding: torch.Tensor) -> None:
         """An image embedding arrived; kept pending until a request needs it
@@ -218,7 +223,10 @@ class Engine:
             asking = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
             # Taken before sample(), which may change the logits in place (a list index copies).
             raw = logits[asking] if asking else None
-            tokens = sample(logits, rows, self.penalties)
+            tokens = sample(logits, rows, self.penalties, self._grammars)
+            for row, token in zip(rows, tokens):
+                if row.matcher is not None:
+                    row.matcher.consume_token(token)
             sampled = dict(zip((c.request_id for c in due), tokens))
             if asking:
                 found = batch_logprobs(raw, list(range(len(asking))), [tokens[i] for i in asking],
@@ -264,7 +272,13 @@ class Engine:
         live = self.live[request_id]
         if live.pool_row is None and uses_penalties(params):
             live.pool_row = self.penalties.take(request.prompt_token_ids)
-        return SamplingRow(params, live.generator, banned, live.pool_row)
+        return SamplingRow(params, live.generator, banned, live.pool_row, live.matcher)
+
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer.to_json(), self.model.spec.language.vocab_size,
+                                      tuple(self.tokenizer.eos_token_ids))
+        return self._grammars
 
     def _forget(self, request_id: str) -> None:
         live = self.live.pop(request_id, None)
@@ -277,7 +291,7 @@ class Engine:
         chosen = (logprobs,) if logprobs is not None else ()
         delta = live.text.push(token)
         request = self.scheduler.get_request(request_id)
-        if finished is None and live.text.stopped:
+        if finished is None and (live.text.stopped or (live.matcher is not None and live.matcher.is_stopped())):
             finished = self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
         if finished is None:
             return RequestOutput(request_id, (token,), delta, num_prompt_tokens=request.num_prompt_tokens,

@@ -48,6 +48,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
     logprobs: int | None = None       # None: none; k: the chosen token's and the top k (engine/logprobs.py)
+    grammar: str = ""                 # llguidance's grammar the output must follow (engine/grammar.py)
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -83,6 +84,8 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             _check_int("logit_bias token id", token, 0)
             _check_number(f"logit_bias[{token}]", bias, -100.0, 100.0)
+        if not isinstance(self.grammar, str):
+            raise ValueError(f"grammar must be a str, got {type(self.grammar).__name__}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
             if self.logprobs > MAX_TOP_LOGPROBS:

@@ -11,9 +11,11 @@ whatever else is in the batch).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from pipeline.engine.grammar import Grammars
 from pipeline.engine.penalties import PenaltyPool, apply_bias_and_penalties, apply_min_p
 from pipeline.engine.request import SamplingParams
 
@@ -24,14 +26,17 @@ class SamplingRow:
     generator: torch.Generator | None
     banned: tuple[int, ...] = ()  # token ids masked this step (min_tokens not reached)
     pool_row: int | None = None   # the request's row in the PenaltyPool, if penalised
+    matcher: Any = None           # the request's grammar matcher (engine/grammar.py), if any
 
 
 def _plain(row: SamplingRow) -> bool:
-    return row.params.temperature == 0 and not row.banned and not row.params.logit_bias and row.pool_row is None
+    return (row.params.temperature == 0 and not row.banned and not row.params.logit_bias and row.pool_row is None
+            and row.matcher is None)
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, rows: list[SamplingRow], pool: PenaltyPool | None = None) -> list[int]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], pool: PenaltyPool | None = None,
+           grammars: Grammars | None = None) -> list[int]:
     """logits [n, vocab] (any float dtype) -> one token id per row."""
     if not rows:
         return []
@@ -44,6 +49,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], pool: PenaltyPool | No
         if row.banned:
             logits[i, list(row.banned)] = float("-inf")
     apply_bias_and_penalties(logits, [row.params for row in rows], [row.pool_row for row in rows], pool)
+    constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
+    if constrained:
+        grammars.apply(logits, constrained, [rows[i].matcher for i in constrained])
     tokens = logits.argmax(-1).tolist()
     for i, row in enumerate(rows):
         if row.params.temperature > 0:

@@ -174,6 +174,10 @@ class Tokenizer:
         """Named special tokens that are set (bos_token, eos_token, ...), as chat templates see them."""
         return dict(self._special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (for the grammar matchers)."""
+        return self._backend.to_str()
+
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")

@@ -119,10 +119,9 @@ def _neutral(value) -> bool:
 NOT_YET_SUPPORTED = {
     "tools": _neutral, "functions": _neutral, "function_call": lambda v: v in (None, "none"),
     "tool_choice": lambda v: v in (None, "none"), "parallel_tool_calls": lambda v: True,
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "prompt_logprobs": _neutral,
     "best_of": lambda v: v in (None, 1),
-    "guided_json": _neutral, "guided_regex": _neutral, "guided_choice": _neutral, "guided_grammar": _neutral,
+    "guided_regex": _neutral, "guided_choice": _neutral, "guided_grammar": _neutral,
     "structured_outputs": _neutral, "echo": _neutral, "suffix": lambda v: not v,
 }
 

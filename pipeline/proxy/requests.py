@@ -26,6 +26,7 @@ from pipeline.proxy.api_types import (
 )
 from pipeline.proxy.dispatcher import Work
 from pipeline.proxy.media_fetch import FetchPolicy, fetch_image
+from pipeline.proxy.structured import grammar_of
 from pipeline.proxy.video_items import VideoLimits, checked_plan, video_key, video_options
 
 
@@ -154,7 +155,8 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
             top_k=max(_given(req.top_k, defaults, "top_k", 0), 0),   # -1 and 0 both mean off
             top_p=_given(req.top_p, defaults, "top_p", 1.0), seed=req.seed,
             stop=stop_strings(req.stop), stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos, **processor_fields(req, model.processor.tokenizer.vocab_size, defaults))
+            ignore_eos=req.ignore_eos, grammar=grammar_of(req),
+            **processor_fields(req, model.processor.tokenizer.vocab_size, defaults))
         _check_sampling(sampling)
     except ValueError as exc:
         raise ApiError(str(exc)) from None
