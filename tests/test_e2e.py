@@ -193,3 +193,45 @@ def test_a_client_that_hangs_up_is_aborted_within_100_ms(epd):
     while epd.total("epd_running_requests") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert epd.total("epd_running_requests") == 0
+
+
+def test_vllm_named_series_are_served(epd):
+    """vLLM's names, types and labels, parsed by prometheus-client's own
+    parser, with plausible values during and after real requests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def families():
+        text = httpx.get(epd.base_url + "/metrics", timeout=10).text
+        return {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")}
+
+    chat(epd, IMAGES[1], "count the tokens", max_tokens=6)
+    with httpx.stream("POST", epd.base_url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": chat_messages([], "keep going"), "max_tokens": 400, "stream": True,
+            "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        deadline, usage = time.monotonic() + 10, 0.0
+        while usage == 0 and time.monotonic() < deadline:
+            usage = max(s.value for s in families()["vllm:kv_cache_usage_perc"].samples)
+            time.sleep(0.1)
+        for _ in lines:
+            pass
+    assert 0 < usage <= 1
+    found = families()
+    kinds = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+             "vllm:kv_cache_usage_perc": "gauge", "vllm:num_preemptions": "counter",
+             "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+             "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
+             "vllm:time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram"}
+    for name, kind in kinds.items():
+        assert found[name].type == kind, name
+        assert all(s.labels.get("model_name") == "tiny" for s in found[name].samples), name
+    engines = {s.labels["engine"] for s in found["vllm:num_requests_running"].samples}
+    assert engines == {"0", "1", "2"}    # one per generator
+    total = lambda name, **labels: sum(s.value for s in found[name].samples  # noqa: E731
+                                       if s.name == name + "_total" and all(s.labels.get(k) == v
+                                                                            for k, v in labels.items()))
+    assert total("vllm:generation_tokens") >= 406 and total("vllm:prompt_tokens") > 0
+    assert total("vllm:request_success", finished_reason="length") >= 2
+    counts = [s.value for s in found["vllm:e2e_request_latency_seconds"].samples if s.name.endswith("_count")]
+    assert counts and counts[0] >= 2

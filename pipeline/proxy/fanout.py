@@ -70,7 +70,7 @@ class ManyChoices:
     def _abort_all(self, flights: list[Flight]) -> None:
         for flight in flights:
             if self.dispatcher.abort(flight.work.request.request_id):
-                self.metrics.generation_tokens.inc(flight.tokens)
+                self.metrics.generated(flight.tokens)
 
     async def _whole_many(self, request, rid: str, flights: list[Flight], firsts, chat: bool) -> web.Response:
         choices, prompt_tokens, completion_tokens = [], 0, 0

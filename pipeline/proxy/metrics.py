@@ -1,16 +1,19 @@
 """/metrics: the proxy's own request metrics plus every stage's counters and
-gauges (from their StageStats replies), labelled by stage and instance."""
+gauges (from their StageStats replies), labelled by stage and instance; and
+the same events under vLLM's names (vllm_metrics.py)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pipeline.proxy.vllm_metrics import VllmSeries, engine_series
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
 class ProxyMetrics:
-    def __init__(self, dispatcher) -> None:
+    def __init__(self, dispatcher, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("epd_requests", "Requests by final status", ["status"], registry=self.registry)
         self.ttft = Histogram("epd_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
@@ -26,10 +29,33 @@ class ProxyMetrics:
                                      registry=self.registry)
         self.e2e = Histogram("epd_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS,
                              registry=self.registry)
-        self.registry.register(_StageCollector(dispatcher))
+        self.registry.register(_StageCollector(dispatcher, model_name))
+        self.vllm = VllmSeries(self.registry, model_name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def generated(self, tokens: int) -> None:
+        """Completion tokens passed on to a client (a request ended, or its client left)."""
+        self.generation_tokens.inc(tokens)
+        self.vllm.generated(tokens)
+
+    def finished(self, flight, delta, now: float) -> None:
+        """A request ended: its status, tokens and latencies."""
+        self.requests.labels("error" if delta.error else "ok").inc()
+        self.generated(flight.tokens)
+        if delta.error:
+            return
+        self.prompt_tokens.inc(delta.prompt_tokens)
+        self.e2e.observe(now - flight.created)
+        ttft = tpot = None
+        if flight.first_token_at is not None:
+            ttft = flight.first_token_at - flight.created
+            self.ttft.observe(ttft)
+            if flight.tokens > 1:
+                tpot = (now - flight.first_token_at) / (flight.tokens - 1)
+                self.tpot.observe(tpot)
+        self.vllm.finished(delta.finish_reason, delta.prompt_tokens, ttft, tpot, now - flight.created)
 
 
 # Which StageStats entries become which series.
@@ -74,8 +100,9 @@ def _labelled_counters(stats: list):
 
 
 class _StageCollector:
-    def __init__(self, dispatcher) -> None:
+    def __init__(self, dispatcher, model_name: str) -> None:
         self.dispatcher = dispatcher
+        self.model_name = model_name
 
     def collect(self):
         stats = list(self.dispatcher.stats.values())
@@ -99,3 +126,4 @@ class _StageCollector:
                         family.add_metric([s.stage, s.instance], getattr(s, field).get(key, 0))
                 yield family
         yield from _labelled_counters(stats)
+        yield from engine_series(stats, self.model_name)

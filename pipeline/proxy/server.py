@@ -41,7 +41,7 @@ class ProxyApp(ManyChoices):
         self.drain_timeout = drain_timeout   # on stop, for the requests in flight
         self.handling = 0          # HTTP requests being handled, from parsing to the last byte
         self.stopping = False      # the drain is over: nothing more is sent to the stages
-        self.metrics = ProxyMetrics(dispatcher)
+        self.metrics = ProxyMetrics(dispatcher, model.names[0])
         dispatcher.on_finish = self._record
         self.session = None
         self._clients: dict[str, tuple[web.Request, Flight]] = {}
@@ -161,7 +161,7 @@ class ProxyApp(ManyChoices):
             return await self._whole(request, rid, flight, first, chat)
         except (asyncio.CancelledError, ConnectionResetError):
             if self.dispatcher.abort(rid):    # still live: nothing has counted its tokens
-                self.metrics.generation_tokens.inc(flight.tokens)
+                self.metrics.generated(flight.tokens)
             self.metrics.requests.labels("aborted").inc()
             raise
         finally:
@@ -246,17 +246,7 @@ class ProxyApp(ManyChoices):
         return found
 
     def _record(self, flight: Flight, delta: protocol.TokenDelta) -> None:
-        now = time.monotonic()
-        self.metrics.requests.labels("error" if delta.error else "ok").inc()
-        self.metrics.generation_tokens.inc(flight.tokens)
-        if delta.error:
-            return
-        self.metrics.prompt_tokens.inc(delta.prompt_tokens)
-        self.metrics.e2e.observe(now - flight.created)
-        if flight.first_token_at is not None:
-            self.metrics.ttft.observe(flight.first_token_at - flight.created)
-            if flight.tokens > 1:
-                self.metrics.tpot.observe((now - flight.first_token_at) / (flight.tokens - 1))
+        self.metrics.finished(flight, delta, time.monotonic())
 
 
 @dataclass

@@ -1,0 +1,72 @@
+"""The series vLLM's dashboards, alerts and routers read, with vLLM's names,
+meanings, `model_name` label and bucket boundaries, for those this server
+can report truthfully; beside our own epd_* series, from the same events.
+
+Per request (the proxy sees each one end): prompt and generation tokens,
+successes by finish reason, time to first token, time per output token
+after the first, end-to-end latency. Per generator (`engine` label, as vLLM
+reports per engine; from the stages' stats): running and waiting requests,
+KV cache usage, preemptions.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+# Our finish reasons as vLLM's label values.
+FINISHED_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class VllmSeries:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        label = ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", label, registry=registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed", label,
+                                         registry=registry)
+        self.success = Counter("vllm:request_success", "Requests that finished, by finish reason",
+                               ["model_name", "finished_reason"], registry=registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", label,
+                              buckets=TTFT_BUCKETS, registry=registry)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token after the first",
+                              label, buckets=TPOT_BUCKETS, registry=registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", label,
+                             buckets=E2E_BUCKETS, registry=registry)
+
+    def finished(self, reason: str, prompt_tokens: int, ttft: float | None, tpot: float | None, e2e: float) -> None:
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.success.labels(name, FINISHED_REASONS.get(reason, "stop")).inc()
+        self.e2e.labels(name).observe(e2e)
+        if ttft is not None:
+            self.ttft.labels(name).observe(ttft)
+        if tpot is not None:
+            self.tpot.labels(name).observe(tpot)
+
+    def generated(self, tokens: int) -> None:
+        self.generation_tokens.labels(self.model_name).inc(tokens)
+
+
+def engine_series(stats: list, model_name: str):
+    """vLLM's per-engine gauges and counters from the generators' stats."""
+    labels = ["model_name", "engine"]
+    running = GaugeMetricFamily("vllm:num_requests_running", "Requests in model execution batches", labels=labels)
+    waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be processed", labels=labels)
+    usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (1 means 100 percent)", labels=labels)
+    preempted = CounterMetricFamily("vllm:num_preemptions", "Preemptions", labels=labels)
+    generators = sorted((s for s in stats if s.stage == "generator"), key=lambda s: s.instance)
+    for engine, s in enumerate(generators):
+        key = [model_name, str(engine)]
+        running.add_metric(key, s.gauges.get("running", 0))
+        waiting.add_metric(key, s.gauges.get("waiting", 0))
+        total = s.gauges.get("kv_blocks_total", 0)
+        usage.add_metric(key, s.gauges.get("kv_blocks_used", 0) / total if total else 0.0)
+        preempted.add_metric(key, s.counters.get("preemptions", 0))
+    yield from (running, waiting, usage, preempted)
