@@ -4,7 +4,10 @@ can report truthfully; beside our own epd_* series, from the same events.
 
 Per request (the proxy sees each one end): prompt and generation tokens,
 successes by finish reason, time to first token, time per output token
-after the first, end-to-end latency. Per generator (`engine` label, as vLLM
+after the first, end-to-end latency. One difference: vLLM observes every
+interval between tokens in vllm:time_per_output_token_seconds, and this
+server observes each request's mean interval once. The proxy sees deltas,
+not each token's time. Per generator (`engine` label, as vLLM
 reports per engine; from the stages' stats): running and waiting requests,
 KV cache usage, preemptions.
 """
