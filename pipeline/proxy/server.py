@@ -41,7 +41,7 @@ class ProxyApp(ManyChoices):
         self.drain_timeout = drain_timeout   # on stop, for the requests in flight
         self.handling = 0          # HTTP requests being handled, from parsing to the last byte
         self.stopping = False      # the drain is over: nothing more is sent to the stages
-        self.metrics = ProxyMetrics(dispatcher, model.names[0])
+        self.metrics = ProxyMetrics(dispatcher, model.names[0] if model is not None else "")
         dispatcher.on_finish = self._record
         self.session = None
         self._clients: dict[str, tuple[web.Request, Flight]] = {}
