@@ -100,8 +100,21 @@ class Stack:
                    if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()))
 
     def logs(self) -> str:
+        """The log's tail, for failure messages."""
+        return self.whole_log()[-6000:]
+
+    def whole_log(self) -> str:
         self.log.flush()
-        return (self.run_dir / "stack.log").read_text()[-6000:]
+        return (self.run_dir / "stack.log").read_text()
+
+    def wait_for_log(self, text: str, deadline_s: float = 10.0) -> bool:
+        """Whether `text` shows in the log within the deadline (stages log as they go)."""
+        end = time.monotonic() + deadline_s
+        while text not in self.whole_log():
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.1)
+        return True
 
     def close(self) -> None:
         for p in self.procs.values():

@@ -187,7 +187,7 @@ def test_embeddings_reach_generators_through_rings_and_a_killed_generators_ring_
     (new,) = rings_of(instance)
     assert new != old
     # Its hello named a new incarnation: the encoder dropped what the killed one leased.
-    assert "gen2.sock restarted: dropped" in epd.logs()
+    assert epd.wait_for_log("gen2.sock restarted: dropped"), epd.logs()
     lane = ring.attach(f"{new}")
     try:
         before = ring_handoffs()
