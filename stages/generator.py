@@ -10,6 +10,7 @@ SIGTERM or SIGINT stops it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import queue
 import signal
@@ -28,7 +29,8 @@ from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.kv_budget import (
     GIB, DeviceMemory, LanguageShape, activation_reserve, auto_kv_cache_bytes, embedding_bytes, forward_peak_bytes)
-from pipeline.generator.internal import AskerRestarted, prepare
+from pipeline.generator.internal import AskerRestarted, DecodeSkips, prepare_unless_aborted
+from pipeline.generator.media_budget import HeldBytes
 from pipeline.generator.service import GeneratorService
 from pipeline.incarnations import Incarnations
 from pipeline.media.registry import create_backend, create_video_backend
@@ -93,6 +95,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--embedding-timeout", type=float, default=60.0, help="seconds an image may take")
     p.add_argument("--media-backend", default="auto", help="aggregated mode: image decoder")
     p.add_argument("--video-backend", default="auto", help="aggregated mode: video decoder (auto, pyav, dali)")
+    p.add_argument("--media-budget-mib", type=int, default=2048,
+                   help="aggregated mode: decoded media the generator may hold (requests past it wait as bytes; "
+                        "kept out of the KV cache's memory)")
+    p.add_argument("--media-decode-workers", type=int, default=4,
+                   help="aggregated mode: requests whose media are decoded at once (a clip takes a worker "
+                        "hundreds of ms, and one worker made video requests reach the engine one by one)")
     p.add_argument("--decode-matmul", choices=("cublas", "triton"), default=None,
                    help="CUDA: decode steps' projections through cuBLAS or the small-batch Triton matmul "
                         "(default: triton wherever the fused decode kernels run)")
@@ -102,7 +110,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "CUDA graphs (the default wherever decode runs them)")
     args = p.parse_args(argv)
     for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "encoder_cache_tokens",
-                 "local_encode_tokens"):
+                 "local_encode_tokens", "media_decode_workers", "media_budget_mib"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     check_vision_graph_flags(p, args)
@@ -158,6 +166,7 @@ def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: tor
     if args.mode == "aggregated":
         patches = args.local_encode_tokens * vision.patches_per_token
         vision_bytes = forward_peak_bytes(patches, vision.hidden_size, vision.intermediate_size, dtype_bytes)
+        vision_bytes += args.media_budget_mib << 20   # decoded media wait on the device (receive)
     spec = model.spec
     embeddings = embedding_bytes(args.encoder_cache_tokens, spec.embedding_width, lang.hidden_size,
                                  spec.side_levels, args.max_num_batched_tokens, dtype_bytes)
@@ -180,9 +189,13 @@ def media_decoder(backend: str, video_backend: str, device, model_dir: Path, vid
     media = create_backend(backend, device)
     videos = create_video_backend(video_backend, device) if video_config is not None else None
     image_config = ImageProcessorConfig.from_checkpoint(model_dir)
+    # Several workers call these at once (receive); a backend that cannot take that is used by one at a time.
+    media_lock = contextlib.nullcontext() if media.thread_safe else threading.Lock()
+    video_lock = contextlib.nullcontext() if videos is None or videos.thread_safe else threading.Lock()
 
     def decode_images(blobs):
-        results = media.decode(list(blobs), image_config)
+        with media_lock:
+            results = media.decode(list(blobs), image_config)
         bad = [str(r) for r in results if isinstance(r, ImageDecodeError)]
         if bad:
             raise ValueError(f"bad image: {bad[0]}")
@@ -191,7 +204,8 @@ def media_decoder(backend: str, video_backend: str, device, model_dir: Path, vid
     def decode_videos(blobs, options):
         if videos is None:
             raise ValueError("this model takes no video")
-        results = videos.decode([VideoClip(data, options) for data in blobs], video_config)
+        with video_lock:
+            results = videos.decode([VideoClip(data, options) for data in blobs], video_config)
         bad = [str(r) for r in results if isinstance(r, VideoDecodeError)]
         if bad:
             raise ValueError(f"bad video: {bad[0]}")
@@ -211,7 +225,8 @@ def media_decoder(backend: str, video_backend: str, device, model_dir: Path, vid
 
 
 def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
-            service: GeneratorService, replies: transport.Outbox) -> None:
+            service: GeneratorService, replies: transport.Outbox, decode_workers: int = 1,
+            media_budget: int = 2048 << 20) -> None:
     """Receiver thread: frames -> messages for the engine thread, which never
     waits on a socket. Stats requests are answered here, from the engine's
     latest snapshot (with `replies`, this thread's own sockets). Aggregated-
@@ -222,7 +237,8 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
     # comes before anything else it sends, so what is tracked for its address
     # by then is its predecessor's.
     askers = Incarnations()
-    with ThreadPoolExecutor(1, "image-decode") as decoder:
+    skips, budget = DecodeSkips(), HeldBytes(media_budget)
+    with ThreadPoolExecutor(decode_workers, "media-decode") as decoder:
         while not stop.is_set():
             if not poller.poll(100):
                 continue
@@ -238,9 +254,13 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
                     inbound.put(AskerRestarted(message.reply_to))
             elif (isinstance(message, protocol.GenerateRequest) and message.media
                   and service.decode_images is not None):
-                decoder.submit(lambda m=message: inbound.put(prepare(m, service.decode_images)))
+                skips.add(message.request_id)
+                decoder.submit(lambda m=message: inbound.put(
+                    prepare_unless_aborted(m, service.decode_images, skips, budget, stop)))
             else:
                 inbound.put(message)
+                if isinstance(message, protocol.AbortRequest):
+                    skips.abort(message.request_ids)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     inbound: queue.SimpleQueue = queue.SimpleQueue()
     replies = transport.Outbox(ctx)
-    receiver = threading.Thread(target=receive, args=(inbox, inbound, stop, service, replies), name="receiver",
+    receiver = threading.Thread(target=receive, name="receiver",
+                                args=(inbox, inbound, stop, service, replies, args.media_decode_workers,
+                                      args.media_budget_mib << 20),
                                 daemon=True)
     receiver.start()
     log.info("generator %s ready on %s (mode %s, device %s, %d CPU threads)", args.instance, args.address,

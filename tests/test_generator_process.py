@@ -286,3 +286,76 @@ def test_an_embedding_for_a_request_that_ended_is_given_back_unread(stages, tiny
         raise
     finally:
         proxy.close()
+
+
+@pytest.fixture
+def small_cache_stages(tiny_dir, tmp_path):
+    """An encoder and a generator whose encoder cache holds one 16-token image
+    and which runs one request at a time."""
+    addr = {name: f"ipc://{tmp_path}/{name}.sock" for name in ("enc", "gen", "me")}
+    instance = f"test-parking-{os.getpid()}"
+    log = open(tmp_path / "stages.log", "w")
+    procs = [
+        start(["stages.encoder", "--address", addr["enc"], "--model", str(tiny_dir), "--device", "cpu", "--cpu-threads", "1",
+               "--instance", instance, "--media-backend", "pillow", "--arena-mib", "8", "--model-id", "tiny"], log),
+        start(["stages.generator", "--address", addr["gen"], "--model", str(tiny_dir), "--device", "cpu", "--cpu-threads", "1",
+               "--encoders", addr["enc"], "--kv-cache-mib", "4", "--encoder-cache-tokens", "24",
+               "--max-num-seqs", "1"], log),
+    ]
+    yield addr, tmp_path / "stages.log"
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    remove_stale_segments(instance)
+    log.close()
+
+
+def test_embeddings_past_the_cache_wait_in_the_arena_and_every_request_completes(small_cache_stages, tiny_dir):
+    """A generator that runs one request at a time, and that one waits for an
+    image that never comes: of the twelve embeddings announced for the
+    requests behind it, one fills the cache, one more is copied and waits as
+    pending, and the rest stay parked in the encoder's arena (leased), not
+    copied onto the generator's device. Once the holder is aborted each is
+    read in turn; every request gets its exact tokens and every lease comes
+    back."""
+    addr, log_path = small_cache_stages
+    proxy = Proxy(addr, tiny_dir)
+
+    def until(condition, what):
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, what
+
+    try:
+        wait_ready(proxy, ["enc", "gen"])
+        never, held = (image_bytes(random_image(112, 112, seed=s), "PNG") for s in (38, 39))
+        proxy.request("holder", "Hold it.", [never, held], send_jobs=(1,), max_tokens=5000)
+        until(lambda: proxy.stats("gen").gauges["encoder_cache_tokens"] == 16, "the holder's image in the cache")
+        images = [image_bytes(random_image(112, 112, seed=40 + i), "PNG") for i in range(12)]
+        expected = {}
+        for r in range(6):
+            prompt, decoded = proxy.request(f"p{r}", f"Compare {r}.", images[2 * r:2 * r + 2])
+            expected[f"p{r}"] = proxy.expected(prompt, decoded)
+        until(lambda: proxy.stats("gen").gauges["parked_embeddings"] >= 5, "embeddings parked")
+        gen = proxy.stats("gen")
+        assert gen.gauges["pending_embeddings"] == 1 and gen.gauges["encoder_cache_tokens"] == 16
+        proxy.out.send(addr["gen"], protocol.AbortRequest(("holder",)))
+        tokens, done = proxy.collect(list(expected))
+        for rid, want in expected.items():
+            assert done[rid].finish_reason == "length", done[rid].error
+            assert tokens[rid] == want, rid
+        # A refetched duplicate may still be parked for an ended request: given back on the next turn.
+        until(lambda: proxy.stats("gen").gauges["parked_embeddings"] == 0, "parked ones given back")
+        gen = proxy.stats("gen")
+        assert gen.counters["parked"] >= 5
+        assert gen.gauges["encoder_cache_tokens"] == 0 and gen.gauges["pending_embeddings"] == 0
+        until(lambda: proxy.stats("enc").gauges["arena_leases"] == 0, "leases given back")
+    except Exception:
+        print(log_path.read_text()[-4000:])
+        raise
+    finally:
+        proxy.close()

@@ -24,6 +24,11 @@ from pipeline.arena.blocks import BlockAllocator
 
 
 class ArenaFull(Exception):
+    """No room for an embedding: it is larger than the arena (ArenaFull
+    itself), or every entry is in use (ArenaBusy)."""
+
+
+class ArenaBusy(ArenaFull):
     """No room even after evicting every unused entry: back-pressure, retry later."""
 
 
@@ -93,7 +98,7 @@ class EmbeddingIndex:
             self.evictions += 1
             start = self.blocks.allocate(count)
         if start is None:
-            raise ArenaFull(f"arena full: {count} blocks needed, largest free run "
+            raise ArenaBusy(f"arena full: {count} blocks needed, largest free run "
                             f"{self.blocks.largest_free_run()}, every entry in use")
         entry = Entry(content_hash, start, count, nbytes, tuple(shape), dtype, next(self._generations))
         self.entries[content_hash] = entry

@@ -9,7 +9,6 @@ next batch overlaps the current forward.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter, deque
@@ -20,9 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from pipeline import protocol
-from pipeline.arena.index import ArenaFull, Entry, State
+from pipeline.arena.index import ArenaBusy, ArenaFull, Entry, State
 from pipeline.arena.store import ArenaStore
+from pipeline.encoder.backpressure import ArenaSpace, decode_room
 from pipeline.encoder.batching import take_batch, temporal_parts
+from pipeline.encoder.profile import profile_line
 from pipeline.encoder.ring_lanes import RingLanes
 from pipeline.encoder.single_flight import SingleFlight
 from pipeline.hashing import content_hash, media_salt
@@ -83,7 +84,7 @@ class EncoderService:
         self.video_media = video_media or PyAVVideoBackend()
         self.salt = media_salt(settings.model_id, image_config.settings_key())
         self.flight: SingleFlight[protocol.EncodeJob] = SingleFlight()
-        self.to_decode: list[tuple[str, protocol.EncodeJob]] = []
+        self.to_decode: deque[tuple[str, protocol.EncodeJob]] = deque()
         self.decoded: deque[_Decoded] = deque()
         self.counters: Counter[str] = Counter()
         self.incarnation = protocol.new_incarnation()
@@ -93,6 +94,7 @@ class EncoderService:
         self.forwards = 0
         self._decode_wake = asyncio.Event()
         self._compute_wake = asyncio.Event()
+        self.space = ArenaSpace()   # waits for arena room (backpressure.py)
 
     # ------------------------------------------------------------- messages
 
@@ -105,6 +107,7 @@ class EncoderService:
         elif isinstance(message, protocol.ReleaseLease):
             for lease_id in message.lease_ids:
                 self.store.index.release(lease_id)
+            self.space.freed()
         elif isinstance(message, protocol.Heartbeat):
             self._note_consumer(message.sender, message.incarnation, message.started_at)
             self.store.index.heartbeat(message.sender)
@@ -122,6 +125,7 @@ class EncoderService:
         so its predecessor's leases would never expire: drop them here."""
         if self.consumers.restarted(address, incarnation):
             dropped = self.store.index.drop_owner(address, taken_before=started_at)
+            self.space.freed()
             log.warning("consumer %s restarted: dropped %d lease(s) of its predecessor", address, len(dropped))
 
     def stats(self) -> protocol.StageStats:
@@ -196,15 +200,18 @@ class EncoderService:
         while True:
             await self._decode_wake.wait()
             self._decode_wake.clear()
-            items, self.to_decode = self.to_decode, []
-            if not items:
-                continue
+            room = decode_room(self.settings.max_batch_tokens, sum(d.tokens for d in self.decoded))
+            if not self.to_decode or (self.decoded and room <= 0):
+                continue   # the compute loop wakes this loop when it takes a batch
+            items = take_batch(self.to_decode, lambda item: item[1].expected_tokens, max(room, 1))
             started = time.perf_counter()
             images = [(key, job) for key, job in items if job.modality == "image"]
             videos = [(key, job) for key, job in items if job.modality == "video"]
             await asyncio.gather(self._decode_images(images), self._decode_videos(videos))
             self.busy["decode_s"] += time.perf_counter() - started
             self.busy["decode_images"] += len(items)
+            if self.to_decode:
+                self._decode_wake.set()
 
     async def _decode_images(self, items: list[tuple[str, protocol.EncodeJob]]) -> None:
         if not items:
@@ -267,8 +274,12 @@ class EncoderService:
             self._compute_wake.clear()
             while self.decoded:
                 batch = take_batch(self.decoded, lambda d: d.tokens, self.settings.max_batch_tokens)
-                reserved = self._reserve(batch)
+                self._decode_wake.set()   # room for the next decodes
+                reserved, waiting = self._reserve(batch)
+                self.decoded.extendleft(reversed(waiting))   # the arena is full of leased entries
                 if not reserved:
+                    if waiting:
+                        await self.space.wait(timeout=1.0)   # for a lease to come back
                     continue
                 try:
                     started = time.perf_counter()
@@ -286,15 +297,22 @@ class EncoderService:
                     for i, job in enumerate(self.flight.finish(item.content_hash)):
                         self._deliver(job, entry, dedup=i > 0)
 
-    def _reserve(self, batch: list[_Decoded]) -> list[tuple[_Decoded, Entry]]:
+    def _reserve(self, batch: list[_Decoded]) -> tuple[list[tuple[_Decoded, Entry]], list[_Decoded]]:
+        """(the items given arena room, those that wait for it: the first
+        without room and every item after it, in order)."""
         reserved = []
-        for item in batch:
+        for i, item in enumerate(batch):
             shape = (item.tokens, self.tower.out_dim)
             try:
                 reserved.append((item, self.store.reserve(item.content_hash, shape, self.dtype)))
+                self.space.placed(item.content_hash)
+            except ArenaBusy as exc:
+                if self.space.keep_waiting(item.content_hash):
+                    return reserved, batch[i:]
+                self._fail_all(item.content_hash, f"{exc} for {self.space.patience_s:g} s", retryable=True)
             except ArenaFull as exc:
                 self._fail_all(item.content_hash, str(exc), retryable=True)
-        return reserved
+        return reserved, []
 
     @property
     def dtype(self) -> torch.dtype:
@@ -340,20 +358,15 @@ class EncoderService:
             busy, self.busy = self.busy, Counter()
             self.busy_totals.update(busy)
             if busy:
-                seconds = time.monotonic() - started
-                log.info("encoder profile %s", json.dumps({
-                    "seconds": round(seconds, 1), "decode_busy": round(busy["decode_s"] / seconds, 3),
-                    "forward_busy": round(busy["forward_s"] / seconds, 3), "forwards": self.forwards,
-                    "decoded_images": busy["decode_images"], "forward_images": busy["forward_images"],
-                    "decode_ms_per_image": round(busy["decode_s"] * 1000 / max(1, busy["decode_images"]), 2),
-                    "forward_ms_per_image": round(busy["forward_s"] * 1000 / max(1, busy["forward_images"]), 2),
-                    "queued": len(self.decoded)}, separators=(",", ":")))
+                log.info("encoder profile %s", profile_line(busy, time.monotonic() - started, self.forwards,
+                                                            len(self.decoded), len(self.to_decode)))
 
     async def _expiry_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.expiry_interval)
             for lease in self.store.index.expire():
                 log.warning("lease %s of silent consumer %s expired", lease.lease_id, lease.owner)
+                self.space.freed()
 
     # ------------------------------------------------------------- replies
 

@@ -4,7 +4,8 @@ Runs on one thread that owns the engine, the arena reader and the outgoing
 sockets; a receiver thread only decodes frames into `inbound`. Each turn:
 apply every queued message, fail requests whose images are overdue, run one
 engine step, send the deltas. Embeddings are copied out of the encoders'
-arenas as they arrive and their leases released at once.
+arenas as they arrive, or once there is room for them (parking.py), and
+their leases released when the copy is done.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from pipeline.engine.engine import Engine
 from pipeline.engine.output import RequestOutput
 from pipeline.engine.request import SamplingParams
 from pipeline.models.spec import span_rows
+from pipeline.generator.announcements import on_announce
 from pipeline.generator.arena_waits import ArenaWaits
 from pipeline.generator.early_arrivals import EarlyArrivals
 from pipeline.generator.internal import AskerRestarted, PreparedRequest
 from pipeline.generator.key_sources import KeySources
+from pipeline.generator.parking import ParkedEmbeddings
+from pipeline.generator.stats import generator_stats
 from pipeline.generator.recent_ids import RecentIds
 from pipeline.processing.processor import MultimodalPrompt
 
@@ -82,8 +86,9 @@ class GeneratorService:
         # back without a copy, rather than held in memory that no budget counts.
         self.ended = RecentIds(ENDED_MEMORY_S)
         self.early = EarlyArrivals(EARLY_MEMORY_S)   # embeddings that overtook their requests
+        self.parking = ParkedEmbeddings()   # announced, left in the arena until there is room here
         self.copies: list = []   # (PendingRead, EmbeddingReady, encoder address) not yet released
-        self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0}
+        self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0, "parked": 0}
         self.incarnation, self.started_at = protocol.new_incarnation(), time.time()
         self._last_heartbeat = 0.0
         # Refreshed by the engine thread each loop; the receiver thread answers
@@ -118,6 +123,7 @@ class GeneratorService:
                 lane.awake()
             self._drain_rings()
             self._finish_copies()
+            self._unpark()
             self._expire_overdue()
             self._heartbeat()
             self._refresh_stats()
@@ -133,6 +139,8 @@ class GeneratorService:
                 self._refetch()
                 self.engine.profile.outside_s += before + time.perf_counter() - stepped
         self._drain_rings()     # handles written to us are leased: take them to release them
+        for ready in self.parking.drop_gone(lambda _: True):
+            self._release(ready)
         for pending, _, _ in self.copies:
             pending.wait()
         self._finish_copies()   # give every lease back before leaving
@@ -188,25 +196,7 @@ class GeneratorService:
                     self.ended.add(request_id)
                 self.engine.abort(request_id)
         elif isinstance(message, protocol.EncoderAnnounce):
-            self.encoder_addresses[message.encoder_id] = message.address
-            previous = self.encoder_arenas.get(message.encoder_id)
-            if previous is not None and previous != message.arena.arena_id:
-                self.reader.close_arena(previous)  # the encoder restarted: its old arena is gone
-            try:
-                self.reader.open(message.arena)
-            except Exception as exc:   # a bad announcement must not stop this generator
-                log.warning("cannot open the arena that encoder %s announced: %s", message.encoder_id, exc)
-                self._give_up(self.waiting_for_arena.take_from(message.encoder_id),
-                              f"encoder {message.encoder_id}'s arena cannot be opened here: {exc}")
-                return
-            self.encoder_arenas[message.encoder_id] = message.arena.arena_id
-            width = self.engine.model.spec.embedding_width
-            if message.widths.get("image", width) != width:
-                # Each of its embeddings will fail its request (Engine.add_embedding).
-                log.error("encoder %s makes image embeddings %d wide; this generator's model takes %d",
-                          message.encoder_id, message.widths["image"], width)
-            for ready, since in self.waiting_for_arena.take_all():
-                self._on_embedding(ready, since)
+            on_announce(self, message)
         elif isinstance(message, protocol.Wake):
             pass    # it woke the loop, which reads the rings next
         elif isinstance(message, AskerRestarted):
@@ -255,17 +245,24 @@ class GeneratorService:
                 return
         if self.decode_images is None:
             tracked.missing = {k for k in req.image_keys if not self.engine.scheduler.embedding_available(k)
-                               and k not in self.engine.pending_embeddings}
+                               and k not in self.engine.pending_embeddings and k not in self.parking.keys}
 
-    def _on_embedding(self, ready: protocol.EmbeddingReady, parked_since: float | None = None) -> None:
+    def _on_embedding(self, ready: protocol.EmbeddingReady, parked_since: float | None = None,
+                      unparked: bool = False) -> None:
         if not self.reader.is_open(ready.handle.arena_id):
             # An encoder we have not heard from: ask it, keep the handle (leased) meanwhile.
             if self.waiting_for_arena.park(ready, parked_since):
                 for address in self.encoders:
                     self._hello(address)
             return
-        if ready.request_id in self.ended or ready.request_id in self.aborted_early:
+        if self._request_gone(ready):
             self._release(ready)    # its request is over: nothing here will read it
+            return
+        if not unparked and (self.parking.parked or not self.parking.has_room(self.engine, ready)):
+            self.parking.park(ready)   # behind those parked before it (pipeline/generator/parking.py)
+            self.counters["parked"] += 1
+            for tracked in self.tracked.values():
+                tracked.missing.discard(ready.content_hash)   # it came: no timeout while it waits here
             return
         encoder = self.encoder_addresses.get(ready.encoder_id, "")
         try:
@@ -289,6 +286,15 @@ class GeneratorService:
             tracked.missing.discard(ready.content_hash)
         if ready.request_id not in self.tracked:
             self.early.hold(ready.request_id, ready.content_hash, embedding)
+
+    def _request_gone(self, ready: protocol.EmbeddingReady) -> bool:
+        return ready.request_id in self.ended or ready.request_id in self.aborted_early
+
+    def _unpark(self) -> None:
+        for ready in self.parking.drop_gone(self._request_gone):
+            self._release(ready)
+        while (ready := self.parking.next_fitting(self.engine)) is not None:
+            self._on_embedding(ready, unparked=True)
 
     def _finish_copies(self) -> None:
         """Release the leases of copies that have completed (checked against
@@ -398,13 +404,4 @@ class GeneratorService:
             self.latest_stats = self.stats()
 
     def stats(self) -> protocol.StageStats:
-        scheduler = self.engine.scheduler
-        gauges = {"kv_blocks_used": float(scheduler.block_pool.num_used),
-                  "kv_blocks_total": float(scheduler.block_pool.num_used + scheduler.block_pool.num_free),
-                  "running": float(scheduler.num_running), "waiting": float(scheduler.num_waiting),
-                  "encoder_cache_tokens": float(scheduler.encoder_cache.used_tokens),
-                  "pending_embeddings": float(len(self.engine.pending_embeddings)),
-                  "early_embeddings": float(len(self.early))}
-        counters = dict(self.counters, yields=scheduler.stats["yields_total"],
-                        preemptions=scheduler.stats["preemptions_total"], **self.engine.profile.counters())
-        return protocol.StageStats("generator", self.address, counters, gauges, self.address, self.incarnation)
+        return generator_stats(self)

@@ -69,6 +69,12 @@ class Backend(ABC):
         """Where `pixel_values` are returned."""
 
     @property
+    def thread_safe(self) -> bool:
+        """Whether `decode` may be called from several threads at once (an
+        aggregated generator decodes several requests' media together)."""
+        return False
+
+    @property
     def tolerance(self) -> Tolerance:
         """The largest difference from the reference processor this backend's
         outputs may show (documented per backend, checked by the tests)."""

@@ -76,6 +76,10 @@ class PyAVVideoBackend(VideoBackend):
         return "pyav"
 
     @property
+    def thread_safe(self) -> bool:
+        return True   # its pool takes work from any thread; each clip is its own container
+
+    @property
     def device(self) -> torch.device:
         return self._device
 
