@@ -22,8 +22,12 @@ upsample chroma differently: up to about 100 levels at single pixels. After
 preprocessing, the measured worst is 1.55 max abs and 0.053 mean abs
 (tests/test_video_dali.py). CPU_TOLERANCE adds a margin to that. The GPU
 adds NVDEC's conversion and the two-pass float resize
-(`resize_frames_two_pass`). GPU_TOLERANCE stays provisional until
-scripts/gpu_video_check.py has measured it on the GPU box.
+(`resize_frames_two_pass`). On the H200 (scripts/gpu_video_check.py, H.264
+640x360 and 1280x720 clips, both families' processors, 2026-12-01) the
+worst was 1.15 max abs and 0.025 mean abs after preprocessing (frames: up
+to 120 levels at single pixels, 1.4-1.5 mean, a bias of +1.8/+0.9/+1.1-1.3
+levels in R/G/B: NVDEC's YUV->RGB matrix differs slightly from swscale's);
+GPU_TOLERANCE is that with a margin.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ log = logging.getLogger(__name__)
 GPU_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4"})
 CPU_CODECS = frozenset({"vp8", "vp9"})
 CPU_TOLERANCE = Tolerance(max_abs=2.0, mean_abs=0.08)
-GPU_TOLERANCE = Tolerance(max_abs=2.5, mean_abs=0.1)
+GPU_TOLERANCE = Tolerance(max_abs=1.6, mean_abs=0.04)
 
 _Planned = tuple[VideoHeader, VideoPlan]
 
