@@ -5,28 +5,36 @@ Qwen2.5-VL-3B-shaped language model (random bf16 weights) at batch 32,
 each setting in its own engine over the same prompts.
 
     python3 scripts/gpu_sampling_cost.py [--batch 32] [--steps 40] [--json OUT.json]
+    python3 scripts/gpu_sampling_cost.py --device cpu --shape qwen2.5-vl-tiny --batch 4 --steps 3   # smoke
 
 Settings: greedy; greedy + repetition/frequency/presence penalties and
 logit_bias; greedy + logprobs (top 5); all of them; all of them with a JSON
-grammar mask (any object: the random model writes one key for ever, so
-every step stays constrained); sampling (temperature, top_p, min_p, seeded)
+grammar mask (json_grammar: every measured step stays constrained); sampling (temperature, top_p, min_p, seeded)
 with all of them. Prints step medians and the ratio to greedy (target:
-<= 1.10 with penalties, logprobs and the JSON mask).
+<= 1.10 with penalties, logprobs and the JSON mask), then for each setting
+where the time goes: the medians of the forward, the grammar fill, sample()
+and the logprobs, each timed between device syncs in extra steps after the
+measured ones (the syncs undo the overlap of the fill with the forward, so
+those steps run longer than the measured ones).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.engine import engine as engine_module  # noqa: E402
 from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
 from pipeline.engine.request import SamplingParams  # noqa: E402
 from pipeline.models.shapes import random_model  # noqa: E402
@@ -46,30 +54,75 @@ SETTINGS = {
 
 
 def json_grammar() -> str:
+    """An object whose one string must run 4096 characters: a random model
+    would otherwise close the object in a few tokens, and every measured
+    step must stay constrained."""
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides={"whitespace_flexible": False})
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 4096}}, "required": ["text"]}
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
 
 
-def step_ms(model, tokenizer, device, batch: int, context: int, steps: int, extra: dict) -> float:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_engine(model, tokenizer, device, batch: int, context: int, steps: int, extra: dict) -> Engine:
     engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
                                                    max_num_seqs=batch + 1, kv_cache_bytes=8 << 30), device)
+    vocab = min(150000, model.cfg.text.vocab_size)
     for i in range(batch):
-        ids = [int(x) for x in np.random.default_rng(i).integers(0, 150000, context)]
+        ids = [int(x) for x in np.random.default_rng(i).integers(0, vocab, context)]
         seed = extra.get("seed")   # one seed a request: seeded rows each keep their own generator
         params = SamplingParams(max_tokens=steps + 20, ignore_eos=True,
                                 **{**extra, "seed": None if seed is None else seed + i})
         engine.add_request(f"r{i}", MultimodalPrompt(ids, [], []), [], params)
     for _ in range(4):   # the prefill, then decodes until the graphs are captured
         engine.step()
-    torch.cuda.synchronize()
+    sync(device)
+    return engine
+
+
+def step_ms(engine: Engine, device, steps: int) -> float:
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
+        sync(device)
         times.append(time.perf_counter() - started)
     return float(np.median(times) * 1000)
+
+
+def breakdown_ms(engine: Engine, device, steps: int, constrained: bool) -> dict[str, float]:
+    """Medians over `steps` more steps of the time inside each piece of the
+    step, and of the whole (synced) step; "rest" is what none of them holds
+    (scheduling, consuming tokens, outputs)."""
+    times: dict[str, list[float]] = defaultdict(list)
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            sync(device)   # what was queued before lands outside the piece
+            started = time.perf_counter()
+            result = fn(*args, **kwargs)
+            sync(device)
+            times[name].append(time.perf_counter() - started)
+            return result
+        return run
+
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(engine.runner, "execute", timed("forward", engine.runner.execute)))
+        patches.enter_context(mock.patch.object(engine_module, "sample", timed("sample", engine_module.sample)))
+        patches.enter_context(mock.patch.object(engine_module, "batch_logprobs",
+                                                timed("logprobs", engine_module.batch_logprobs)))
+        if constrained:
+            grammars = engine.grammars()
+            patches.enter_context(mock.patch.object(grammars, "fill", timed("grammar_fill", grammars.fill)))
+        step = step_ms(engine, device, steps)
+    out = {name: float(np.median(values) * 1000) for name, values in times.items()}
+    out["rest"] = step - sum(out.values())
+    out["synced_step"] = step
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -78,17 +131,28 @@ def main(argv: list[str]) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--json", type=Path)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shape", default="qwen2.5-vl-3b")
+    p.add_argument("--breakdown-steps", type=int, default=10, help="steps for the per-piece breakdown (0: none)")
     args = p.parse_args(argv)
-    device = torch.device("cuda")
-    model = random_model("qwen2.5-vl-3b", torch.bfloat16, device).model
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(args.shape, dtype, device).model
     tokenizer = Tokenizer.from_checkpoint(default_model_dir())
-    out = {"batch": args.batch, "context": args.context, "device": torch.cuda.get_device_name(device)}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    out = {"batch": args.batch, "context": args.context, "shape": args.shape, "device": name}
     settings = dict(SETTINGS)
     settings["penalties+logprobs5+json"] = dict(PENALTIES, logprobs=5, grammar=json_grammar())
     for name, extra in settings.items():
-        out[f"{name}_ms"] = step_ms(model, tokenizer, device, args.batch, args.context, args.steps, extra)
+        engine = make_engine(model, tokenizer, device, args.batch, args.context,
+                             args.steps + args.breakdown_steps, extra)
+        out[f"{name}_ms"] = step_ms(engine, device, args.steps)
         out[f"{name}_vs_greedy"] = out[f"{name}_ms"] / out["greedy_ms"]
         print(f"{name}: {out[f'{name}_ms']:.3f} ms a step ({out[f'{name}_vs_greedy']:.3f}x greedy)", flush=True)
+        if args.breakdown_steps:
+            parts = out[f"{name}_breakdown_ms"] = breakdown_ms(engine, device, args.breakdown_steps, "grammar" in extra)
+            print("    inside (synced): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + " ms", flush=True)
+        del engine   # its KV cache and graphs go before the next setting's engine is built
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

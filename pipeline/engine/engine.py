@@ -194,7 +194,16 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         self._forget(request_id)
-        return self.scheduler.abort(request_id)
+        request = self.scheduler.get_request(request_id)
+        keys = {span.key for span in request.image_spans} if request is not None else set()
+        aborted = self.scheduler.abort(request_id)
+        # Its pending embeddings that no one else needs go now, not after
+        # orphan_embedding_ttl: they hold device memory, and a generator
+        # counts them against its room for more (generator/parking.py).
+        for key in keys:
+            if key in self.pending_embeddings and not self.scheduler.encoder_cache.is_needed(key):
+                del self.pending_embeddings[key]
+        return aborted
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -219,17 +228,19 @@ class Engine:
                                                      for c in plan.chunks},
                                               {c.request_id: self.live[c.request_id].geometry
                                                for c in plan.chunks}, cache.get)
+            # On a GPU the forward is only queued so far. The grammar masks need
+            # only the tokens consumed already: the host fills them now, before
+            # the first read that waits for the logits (in sample()).
+            masks = self._grammars.fill([self.live[c.request_id].matcher for c in due]) if self._grammars else None
             rows = [self._sampling_row(c.request_id) for c in due]
-            asking = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-            # Taken before sample(), which may change the logits in place (a list index copies).
-            raw = logits[asking] if asking else None
-            tokens = sample(logits, rows, self.penalties, self._grammars)
+            tokens = sample(logits, rows, self.penalties, masks)   # leaves the logits raw, for logprobs
             for row, token in zip(rows, tokens):
                 if row.matcher is not None:
                     row.matcher.consume_token(token)
             sampled = dict(zip((c.request_id for c in due), tokens))
+            asking = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
             if asking:
-                found = batch_logprobs(raw, list(range(len(asking))), [tokens[i] for i in asking],
+                found = batch_logprobs(logits, asking, [tokens[i] for i in asking],
                                        [rows[i].params.logprobs for i in asking])
                 logprobs = {due[i].request_id: lp for i, lp in zip(asking, found)}
             penalised = [(row.pool_row, token) for row, token in zip(rows, tokens) if row.pool_row is not None]

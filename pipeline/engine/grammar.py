@@ -4,6 +4,12 @@ fills the masks of all such rows in one parallel call (llguidance's Rust
 executor, off the GIL) and applies them to the logits as one tensor
 operation; after sampling each matcher consumes its row's token.
 
+A mask depends only on the tokens its matcher has consumed, so the engine
+fills the step's masks while the device runs the forward (Grammars.fill,
+before the step's first read of the logits), into one reused host buffer
+(pinned where CUDA is) that reaches the device in a queued copy; the bits
+are unpacked on the device.
+
 llguidance rather than xgrammar: its wheel has no dependency on transformers
 (which stays a test-only oracle here), it computes masks on the CPU (its
 authors report tens of microseconds a row; scripts/gpu_sampling_cost.py is
@@ -14,6 +20,8 @@ checkpoint's tokenizer.json, as ours does.
 from __future__ import annotations
 
 import torch
+
+from pipeline.engine.small_copies import device_tensor
 
 GRAMMAR_LIBRARY = "llguidance"
 
@@ -34,6 +42,9 @@ class Grammars:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(eos_token_ids) or None)
         self.executor = llguidance.LLExecutor()
+        # One step's masks, reused: pinned so the copy to a GPU can be queued.
+        self._bitmask = torch.empty((0, (vocab_size + 31) // 32), dtype=torch.int32)
+        self._copied: torch.cuda.Event | None = None   # recorded after the last queued copy out of it
 
     def matcher(self, grammar: str):
         matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
@@ -41,15 +52,54 @@ class Grammars:
             raise GrammarError(f"invalid grammar: {matcher.get_error()}")
         return matcher
 
-    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
-        """Mask logits [n, vocab] in place: row rows[i] keeps only what matchers[i] allows."""
+    def fill(self, matchers: list) -> GrammarMasks | None:
+        """The masks of one step's rows, matchers[i] being row i's (None: not
+        constrained); None if no row is. Host work only: it overlaps the
+        forward when called before anything waits on the logits."""
         import llguidance.torch as llt
 
-        words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
-        llt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
-        allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
-        index = torch.tensor(rows, device=logits.device)
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        bitmask = self._buffer(len(rows))
+        llt.fill_next_token_bitmask_par(self.executor, [(matchers[r], i) for i, r in enumerate(rows)], bitmask)
+        return GrammarMasks(bitmask, rows, self)
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        if self._copied is not None:
+            self._copied.synchronize()   # the last step's copy out of the buffer has finished
+            self._copied = None
+        if self._bitmask.shape[0] < rows:
+            self._bitmask = torch.empty((max(rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]),
+                                        dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        return self._bitmask[:rows]
+
+    def send(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The buffer's rows on `device`; on CUDA a queued copy, after which
+        the next fill waits before writing the buffer again."""
+        if device.type != "cuda":
+            return bitmask.to(device)
+        out = bitmask.to(device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return out
+
+
+class GrammarMasks:
+    """One step's filled masks: bitmask row i is row rows[i]'s of the batch."""
+
+    def __init__(self, bitmask: torch.Tensor, rows: list[int], grammars: Grammars) -> None:
+        self.bitmask = bitmask
+        self.rows = rows
+        self.grammars = grammars
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Mask float logits [n, vocab] in place: each constrained row keeps only what its matcher allows."""
+        allowed = unpack_bitmask(self.grammars.send(self.bitmask, logits.device), logits.shape[1])
+        if self.rows == list(range(logits.shape[0])):
+            logits.masked_fill_(~allowed, float("-inf"))
+            return
+        index = device_tensor(self.rows, torch.long, logits.device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 

@@ -4,9 +4,15 @@ min_p (the last after temperature, with the other cuts in the sampler).
 
 The penalties need each request's token counts. They live on the device in
 one pool with a row per penalised request, taken when its first token is
-sampled and given back when it ends (about 0.7 MB a row at a 150k vocabulary). A step adds the batch's new tokens with one scatter, and
-penalises the batch with a few whole-tensor operations: no Python loop over
-tokens, and none over the batch beyond gathering its rows' settings.
+sampled and given back when it ends (about 0.7 MB a row at a 150k
+vocabulary). A step adds the batch's new tokens with one scatter, and
+penalises the batch's rows in place: on CUDA one Triton kernel
+(kernels/penalties.py) reads each row's logits, counts and seen flags from
+the pool and writes the row back; elsewhere the whole-tensor operations of
+penalise_rows_reference, which define the maths the kernel repeats. No
+Python loop over tokens, none over the batch beyond gathering its rows'
+settings, and the settings reach the device in queued copies
+(small_copies.py), not ones that wait for the forward.
 
 Semantics as the common servers and transformers have them:
 - repetition_penalty r (1: off): a token seen in the prompt or the output
@@ -22,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.engine.request import SamplingParams
+from pipeline.engine.small_copies import device_tensor
 
 
 def uses_penalties(params: SamplingParams) -> bool:
@@ -55,8 +62,8 @@ class PenaltyPool:
         row = self.free.pop()
         self.counts[row].zero_()
         self.seen[row].zero_()
-        ids = torch.tensor([t for t in prompt_ids if 0 <= t < self.vocab_size], dtype=torch.long)
-        self.seen[row, ids.to(self.device)] = True
+        self.seen[row, device_tensor([t for t in prompt_ids if 0 <= t < self.vocab_size], torch.long,
+                                     self.device)] = True
         return row
 
     def give_back(self, row: int) -> None:
@@ -66,8 +73,7 @@ class PenaltyPool:
         """The step's sampled tokens of these rows, in one scatter."""
         if not rows:
             return
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        token = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        index, token = device_tensor([rows, tokens], torch.long, self.device)
         self.counts.index_put_((index, token), torch.ones(len(rows), device=self.device), accumulate=True)
         self.seen[index, token] = True
 
@@ -79,18 +85,31 @@ def apply_bias_and_penalties(logits: torch.Tensor, params: list[SamplingParams],
     biased = [(i, token, bias) for i, p in enumerate(params) for token, bias in p.logit_bias]
     if biased:
         rows, tokens, values = zip(*biased)
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+        index = tuple(device_tensor([rows, tokens], torch.long, logits.device))
+        logits.index_put_(index, device_tensor(values, logits.dtype, logits.device), accumulate=True)
     penalised = [i for i, row in enumerate(pool_rows) if row is not None]
     if not penalised or pool is None:
         return
-    batch = torch.tensor(penalised, device=logits.device)
-    slots = torch.tensor([pool_rows[i] for i in penalised], device=pool.device)
-    counts, seen = pool.counts[slots].to(logits.device), pool.seen[slots].to(logits.device)
-    column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device).unsqueeze(1)  # noqa: E731
-    repetition = column([params[i].repetition_penalty for i in penalised])
-    frequency = column([params[i].frequency_penalty for i in penalised])
-    presence = column([params[i].presence_penalty for i in penalised])
+    batch, slots = device_tensor([penalised, [pool_rows[i] for i in penalised]], torch.long, logits.device)
+    settings = device_tensor([[params[i].repetition_penalty for i in penalised],
+                              [params[i].frequency_penalty for i in penalised],
+                              [params[i].presence_penalty for i in penalised]], logits.dtype, logits.device)
+    if logits.is_cuda and pool.counts.device == logits.device:
+        from pipeline.kernels.penalties import penalise_rows   # imports triton: CUDA only
+
+        penalise_rows(logits, batch, slots, pool.counts, pool.seen, settings)
+    else:
+        penalise_rows_reference(logits, batch, slots, pool.counts, pool.seen, settings)
+
+
+def penalise_rows_reference(logits: torch.Tensor, batch: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                            seen: torch.Tensor, settings: torch.Tensor) -> None:
+    """Rows `batch` of float32 logits [n, vocab], in place, penalised by the
+    pool's rows `slots` of counts and seen [capacity, vocab]; settings [3,
+    len(batch)]: repetition, frequency, presence. The definition: the CPU
+    path, and what kernels/penalties.py is tested against."""
+    counts, seen = counts[slots].to(logits.device), seen[slots].to(logits.device)
+    repetition, frequency, presence = settings.unsqueeze(2)
     scores = logits[batch]
     repeated = torch.where(scores > 0, scores / repetition, scores * repetition)
     scores = torch.where(seen, repeated, scores)

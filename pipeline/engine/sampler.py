@@ -1,11 +1,14 @@
 """Next-token choice for a batch of rows: greedy, temperature, top-k, top-p,
 min-p, per-request seeds, min_tokens (end tokens masked until enough
-output), and the logits processors of engine/penalties.py.
+output), the logits processors of engine/penalties.py and the grammar masks
+of engine/grammar.py.
 
-Greedy rows take one batched argmax; bias and penalties are applied to the
-whole batch at once; only sampled rows do per-row work, since each may
-carry its own generator (a seeded request must give the same tokens
-whatever else is in the batch).
+Nothing loops over the batch on the device: greedy rows take one batched
+argmax; bans, bias, penalties and masks apply to the whole batch at once;
+the sampled rows go through engine/draw.py together, each with one uniform
+number (a seeded request's from its own generator, so it gives the same
+tokens whatever else is in the batch). The tokens reach the host in one
+copy, the sampler's one wait on the device.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from typing import Any
 
 import torch
 
-from pipeline.engine.grammar import Grammars
-from pipeline.engine.penalties import PenaltyPool, apply_bias_and_penalties, apply_min_p
+from pipeline.engine.draw import draw
+from pipeline.engine.grammar import GrammarMasks
+from pipeline.engine.penalties import PenaltyPool, apply_bias_and_penalties
 from pipeline.engine.request import SamplingParams
+from pipeline.engine.small_copies import device_tensor
 
 
 @dataclass
@@ -36,45 +41,41 @@ def _plain(row: SamplingRow) -> bool:
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow], pool: PenaltyPool | None = None,
-           grammars: Grammars | None = None) -> list[int]:
-    """logits [n, vocab] (any float dtype) -> one token id per row."""
+           masks: GrammarMasks | None = None) -> list[int]:
+    """logits [n, vocab] (any float dtype, left as they are) -> one token id
+    per row. `masks`: the step's grammar masks (Grammars.fill), needed
+    wherever a row has a matcher."""
     if not rows:
         return []
     if all(_plain(row) for row in rows):
         # All greedy (the common serving case): the argmax of the logits as
         # they are, no float copy; converting to float never changes the order.
         return logits.argmax(-1).tolist()
-    logits = logits.float()
-    for i, row in enumerate(rows):
-        if row.banned:
-            logits[i, list(row.banned)] = float("-inf")
+    # A copy even when already float32: the caller reads the raw logits after (logprobs).
+    logits = logits.to(torch.float32, copy=True)
+    _ban(logits, rows)
     apply_bias_and_penalties(logits, [row.params for row in rows], [row.pool_row for row in rows], pool)
-    constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
-    if constrained:
-        grammars.apply(logits, constrained, [rows[i].matcher for i in constrained])
-    tokens = logits.argmax(-1).tolist()
-    for i, row in enumerate(rows):
-        if row.params.temperature > 0:
-            tokens[i] = _sample_row(logits[i], row)
-    return tokens
+    if any(row.matcher is not None for row in rows):
+        if masks is None:
+            raise ValueError("rows with a grammar matcher need the step's masks (Grammars.fill)")
+        masks.apply(logits)
+    drawn = [i for i, row in enumerate(rows) if row.params.temperature > 0]
+    if len(drawn) == len(rows):
+        return draw(logits, [row.params for row in rows], [row.generator for row in rows]).tolist()
+    tokens = logits.argmax(-1)
+    if drawn:
+        index = device_tensor(drawn, torch.long, logits.device)
+        chosen = draw(logits.index_select(0, index), [rows[i].params for i in drawn],
+                      [rows[i].generator for i in drawn])
+        tokens.index_copy_(0, index, chosen)
+    return tokens.tolist()
 
 
-def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
-    p = row.params
-    logits = logits / p.temperature
-    if p.min_p > 0:
-        logits = apply_min_p(logits.unsqueeze(0), torch.tensor([p.min_p], device=logits.device))[0]
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (always the first token).
-        drop = probs.cumsum(-1) - probs >= p.top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=row.generator))
+def _ban(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    pairs = [(i, token) for i, row in enumerate(rows) for token in row.banned]
+    if pairs:
+        index = tuple(device_tensor(list(zip(*pairs)), torch.long, logits.device))
+        logits.index_put_(index, logits.new_full((len(pairs),), float("-inf")))
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
