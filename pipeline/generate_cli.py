@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Offline greedy generation with a checkpoint of a supported family (no serving engine).
 
 The user message is the given images in order, then the videos, then the text, rendered with
@@ -13,10 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pipeline.arg_parser import OneLineParser  # noqa: E402
-from pipeline.offline import GenerateRequest, InputError, OfflineModel  # noqa: E402
+from pipeline.arg_parser import OneLineParser
+from pipeline.offline import GenerateRequest, InputError, OfflineModel
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -37,8 +34,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         model = OfflineModel.load(args.model, dtype=args.dtype, device=args.device)
         images = [read_media_file(path, "image") for path in args.image]
@@ -63,4 +60,4 @@ def read_media_file(path: Path, kind: str) -> bytes:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -360,14 +360,10 @@ def test_cli_refuses_a_port_in_use():
 def test_the_api_flags_reach_the_proxy_and_parse_there(tmp_path):
     """epd-launch's --served-model-name, --api-key and --allowed-origins, as the
     proxy's own flags; the proxy's parser takes what the plan hands it."""
-    import importlib.machinery
-    import importlib.util
+    from pipeline.launch import cli as script
 
-    loader = importlib.machinery.SourceFileLoader("epd_launch_script", str(REPO / "bin" / "epd-launch"))
-    script = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
-    loader.exec_module(script)
     args = script.parse_args(["--served-model-name", "a", "b", "--api-key", "k", "--allowed-origins", '["https://x"]'])
-    proxy = by_role(plan_stages(options(stage_args=script.api_stage_args(args)), HostFacts(gpu_count=4)))["proxy"][0]
+    proxy = by_role(plan_stages(options(stage_args=script.forwarded_stage_args(args)), HostFacts(gpu_count=4)))["proxy"][0]
     from stages.proxy import parse_args as proxy_args
 
     parsed = proxy_args(list(proxy.args))

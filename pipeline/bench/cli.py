@@ -177,7 +177,7 @@ async def run_search(args: argparse.Namespace, dataset: RandomMMConfig, slos: di
         return await search_max_goodput(measure, settings, on_step)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

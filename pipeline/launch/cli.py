@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Start a whole EPD box: encoders, generators and the OpenAI proxy, one process each.
 
 Prints `EPD ready: http://HOST:PORT/v1` once the proxy's /health answers 200,
@@ -11,24 +10,24 @@ the CPU.
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pipeline import transport  # noqa: E402
-from pipeline.arg_parser import OneLineParser, image_size  # noqa: E402
-from pipeline.launch.auto_placement import PlanWorkload, choose_placement  # noqa: E402
-from pipeline.launch.placement import PLACEMENTS, describe  # noqa: E402
-from pipeline.launch.plan import (  # noqa: E402
+from pipeline import transport
+from pipeline.arg_parser import OneLineParser, image_size
+from pipeline.launch.auto_placement import PlanWorkload, choose_placement
+from pipeline.launch.config import ConfigError, expand_config
+from pipeline.launch.placement import PLACEMENTS, describe
+from pipeline.launch.plan import (
     DEVICES, DTYPES, MODES, MPS_MODES, ROLES, LaunchError, LaunchOptions, host_facts, http_url, mps_config,
     plan_gpus, plan_stages, uses_cuda)
-from pipeline.launch.supervisor import SupervisorConfig, run_supervisor  # noqa: E402
-from pipeline.models.shape_configs import SHAPES  # noqa: E402  (torch-free)
+from pipeline.launch.supervisor import SupervisorConfig, run_supervisor
+from pipeline.models.shape_configs import SHAPES  # torch-free
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> OneLineParser:
     p = OneLineParser(prog="epd-launch", description=__doc__.splitlines()[0])
     p.add_argument("--encoders", type=int, metavar="N",
                    help="encoder processes (default: 1; 0 with --mode aggregated)")
@@ -44,7 +43,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--mode", choices=MODES, default="epd",
                    help="aggregated: no encoders, generators run the vision tower themselves")
-    p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--config", metavar="FILE", help="a YAML file of these flags (keys without the dashes; the "
+                   "command line overrides it): see docs/operations.md")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), help="auto (default): bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto: the GPUs for --model, the CPU for the built-in tiny model")
     p.add_argument("--gpus", type=_gpu_list, metavar="LIST",
@@ -69,6 +70,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     auto.add_argument("--output-len", type=int, default=150, help="output tokens per request (default 150)")
     auto.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     auto.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    engine = p.add_argument_group("the engine, named as vllm serve names them (passed to every generator)")
+    engine.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                        help="share of each GPU a generator may use (default 0.9 alone, split where stages share)")
+    engine.add_argument("--max-num-seqs", type=int, metavar="N", help="requests a generator runs at once")
+    engine.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens a step may compute")
+    engine.add_argument("--limit-mm-per-prompt", type=_mm_limits, metavar="JSON",
+                        help='e.g. \'{"image": 4, "video": 1}\': the proxy refuses a request with more media; '
+                        "our limit is one count over images and videos together (their sum)")
     api = p.add_argument_group("the OpenAI API (passed to the proxy; see python3 -m stages.proxy --help)")
     api.add_argument("--served-model-name", nargs="+", metavar="NAME", help="names clients may ask for")
     api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $EPD_API_KEY; none)")
@@ -85,7 +94,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "connections meanwhile; the other stages stop after it)")
     p.add_argument("--stop-timeout", type=float, default=15.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL (the proxy's: after --drain-timeout)")
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = build_parser()
+    try:
+        argv = expand_config(argv)
+    except ConfigError as exc:
+        p.error(str(exc))
     args = p.parse_args(argv)
+    if args.dtype == "auto":
+        args.dtype = None
     if args.encoders is None:
         args.encoders = 0 if args.mode == "aggregated" else 1
     for name in ("ready_timeout", "stop_timeout", "slo_ttft_ms", "slo_tpot_ms"):
@@ -106,6 +126,17 @@ def _gpu_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected GPU numbers like 0,1,3 (got {text!r})") from None
 
 
+def _mm_limits(text: str) -> dict[str, int]:
+    try:
+        limits = json.loads(text)
+    except ValueError:
+        limits = None
+    if (not isinstance(limits, dict) or set(limits) - {"image", "video"}
+            or not all(isinstance(v, int) and v >= 0 for v in limits.values())):
+        raise argparse.ArgumentTypeError(f'expected JSON like {{"image": 4, "video": 1}} (got {text!r})')
+    return limits
+
+
 def _stage_arg(text: str) -> tuple[str, str]:
     role, sep, arg = text.partition("=")
     if not sep:
@@ -124,7 +155,7 @@ def build_options(args: argparse.Namespace) -> LaunchOptions:
     run_dir = transport.private_run_dir() / f"port-{args.port}"
     options = LaunchOptions(args.encoders, args.generators, run_dir, model, args.model_id, args.host,
                             args.port, args.mode, args.dtype, args.device, args.gpus,
-                            tuple(args.stage_arg) + api_stage_args(args),
+                            tuple(args.stage_arg) + forwarded_stage_args(args),
                             random_weights=args.random_weights, drain_timeout=args.drain_timeout,
                             placement=args.placement, mps=args.mps, encoder_sm_percent=args.encoder_sm_percent,
                             profile=args.profile)
@@ -132,11 +163,16 @@ def build_options(args: argparse.Namespace) -> LaunchOptions:
     return options
 
 
-def api_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    """The API flags as the proxy's own."""
+def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The engine and API flags as the generators' and the proxy's own."""
     out = []
+    for name in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) is not None:
+            out.append(("generator", f"--{name.replace('_', '-')}={getattr(args, name)}"))
+    if args.limit_mm_per_prompt is not None:
+        out.append(("proxy", f"--max-images={sum(args.limit_mm_per_prompt.values())}"))
     if args.served_model_name:   # nargs="+" on the proxy: one flag, then every name
-        out = [("proxy", "--served-model-name"), *(("proxy", name) for name in args.served_model_name)]
+        out += [("proxy", "--served-model-name"), *(("proxy", name) for name in args.served_model_name)]
     if args.api_key:
         out.append(("proxy", f"--api-key={args.api_key}"))
     if args.allowed_origins:
@@ -159,8 +195,8 @@ def check_port_free(host: str, port: int) -> None:
             raise LaunchError(f"--port {port}: cannot listen on {host}: {exc.strerror}") from None
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         options = build_options(args)
         check_port_free(options.host, options.port)
@@ -201,5 +237,6 @@ def plan_box(options: LaunchOptions, facts, args: argparse.Namespace):
     where = describe([s.instance for s in models], [s.device for s in models], gpus)
     return specs, f"epd-launch: placement {choice.placement} ({choice.reason}): {where}"
 
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -116,7 +116,7 @@ def plan_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.profile is not None:

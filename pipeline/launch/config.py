@@ -1,0 +1,131 @@
+"""epd-launch's config file: YAML, as `vllm serve --config` takes it.
+
+The keys are the launcher's long flags, without the dashes in front (`max-num-seqs` or `max_num_seqs`).
+Each value is typed by `LaunchFile`, a msgspec schema. Checking it names the key, what was wanted and what came;
+an unknown key is refused. The file becomes command-line flags put before the real ones. The command line
+overrides the file for single flags, and adds to it for the repeatable ones (`stage-arg`).
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import yaml
+
+Mode = Literal["epd", "aggregated"]
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Placement = Literal["auto", "colocated", "dedicated"]
+Mps = Literal["auto", "on", "off"]
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the key."""
+
+
+class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_defaults=True):
+    """Every key a config file may have: the flags of `epd-launch --help`."""
+
+    encoders: int | None = None
+    generators: int | None = None
+    model: str | None = None
+    random_weights: str | None = None
+    model_id: str | None = None
+    host: str | None = None
+    port: int | None = None
+    mode: Mode | None = None
+    dtype: Dtype | None = None
+    device: Device | None = None
+    gpus: list[int] | None = None
+    placement: Placement | None = None
+    mps: Mps | None = None
+    encoder_sm_percent: int | None = None
+    profile: str | None = None
+    images: int | None = None
+    image_size: str | None = None
+    input_len: int | None = None
+    output_len: int | None = None
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    served_model_name: list[str] | str | None = None
+    api_key: str | None = None
+    allowed_origins: list[str] | None = None
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    limit_mm_per_prompt: dict[str, int] | None = None
+    log_dir: str | None = None
+    stage_arg: list[str] | None = None
+    ready_timeout: float | None = None
+    drain_timeout: float | None = None
+    stop_timeout: float | None = None
+
+
+def load_config(path: Path) -> LaunchFile:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not YAML: {exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: want a mapping of keys to values, got {type(raw).__name__}")
+    keys = {str(key).replace("_", "-"): value for key, value in raw.items()}
+    try:
+        return msgspec.convert(keys, LaunchFile, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"--config {path}: {explain(str(exc))}") from None
+
+
+def explain(message: str) -> str:
+    """msgspec's message, with the allowed values where the key takes a fixed
+    set (and without `| null`: every key may be left out, none set to null)."""
+    message = message.replace(" | null`", "`")
+    key = message.rpartition("$.")[2].rstrip("`")
+    field = key.replace("-", "_")
+    hint = typing.get_type_hints(LaunchFile).get(field)
+    allowed = [a for arg in typing.get_args(hint) for a in typing.get_args(arg)] if hint is not None else []
+    if allowed and all(isinstance(a, str) for a in allowed):
+        return f"{message} (allowed: {', '.join(allowed)})"
+    return message
+
+
+def as_flags(config: LaunchFile) -> list[str]:
+    """The file's settings as epd-launch flags, in the schema's order."""
+    flags: list[str] = []
+    for field in config.__struct_fields__:
+        value = getattr(config, field)
+        if value is None:
+            continue
+        flag = "--" + field.replace("_", "-")
+        if field == "stage_arg":
+            flags += [f"--stage-arg={item}" for item in value]
+        elif field == "served_model_name":
+            flags += [flag, *([value] if isinstance(value, str) else value)]
+        elif field == "gpus":
+            flags.append(f"{flag}={','.join(str(g) for g in value)}")
+        elif field in ("allowed_origins", "limit_mm_per_prompt"):
+            flags.append(f"{flag}={json.dumps(value)}")
+        else:
+            flags.append(f"{flag}={value}")
+    return flags
+
+
+def expand_config(argv: list[str]) -> list[str]:
+    """argv with `--config FILE` replaced by the file's flags, put first."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg.startswith("--config="):
+            if arg == "--config":
+                if i + 1 == len(argv):
+                    raise ConfigError("--config: expected a file")
+                path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+            else:
+                path, rest = arg.partition("=")[2], argv[:i] + argv[i + 1:]
+            return as_flags(load_config(Path(path))) + expand_config(rest)
+    return argv

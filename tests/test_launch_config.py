@@ -1,0 +1,106 @@
+"""epd-launch's config file (pipeline/launch/config.py) and its vllm-serve-named
+engine flags: each key type, an unknown key, bad values (the error names the
+key and what it takes), the command line over the file, and the flags as the
+stages' own parsers take them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from pipeline.launch import cli
+from pipeline.launch.config import ConfigError, LaunchFile, as_flags, load_config
+from pipeline.launch.plan import HostFacts, plan_stages
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "epd.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_every_key_type_becomes_the_flags_the_launcher_parses(tmp_path):
+    path = write(tmp_path, """
+generators: 3
+encoders: 1
+port: 8123
+mode: aggregated
+dtype: auto
+gpus: [0, 2]
+slo-ttft-ms: 1500
+served_model_name: [qwen, default]      # underscores work as well as dashes
+allowed-origins: ["https://a.example"]
+gpu-memory-utilization: 0.8
+max-num-seqs: 32
+limit-mm-per-prompt: {image: 4, video: 1}
+stage-arg: [generator=--block-size=32]
+""")
+    args = cli.parse_args(["--config", str(path)])
+    assert (args.generators, args.encoders, args.port, args.mode, args.gpus) == (3, 1, 8123, "aggregated", (0, 2))
+    assert args.dtype is None and args.slo_ttft_ms == 1500.0
+    assert args.served_model_name == ["qwen", "default"] and args.allowed_origins == '["https://a.example"]'
+    assert args.limit_mm_per_prompt == {"image": 4, "video": 1}
+    forwarded = cli.forwarded_stage_args(args)
+    assert ("generator", "--gpu-memory-utilization=0.8") in forwarded
+    assert ("generator", "--max-num-seqs=32") in forwarded and ("proxy", "--max-images=5") in forwarded
+    assert args.stage_arg == [("generator", "--block-size=32")]
+
+
+def test_the_command_line_overrides_the_file_and_adds_to_its_lists(tmp_path):
+    path = write(tmp_path, "port: 8123\nmax-num-seqs: 32\nstage-arg: [generator=--block-size=32]\n")
+    args = cli.parse_args(["--port", "9000", "--config", str(path), "--stage-arg", "proxy=--max-images=2"])
+    assert args.port == 9000 and args.max_num_seqs == 32
+    assert args.stage_arg == [("generator", "--block-size=32"), ("proxy", "--max-images=2")]
+
+
+@pytest.mark.parametrize("text, named", [
+    ("max-num-seq: 3\n", "max-num-seq"),                            # unknown key
+    ("port: eighty\n", "$.port"),                                   # wrong type
+    ("mode: fast\n", "allowed: epd, aggregated"),                   # not one of a fixed set
+    ("gpus: [0, x]\n", "$.gpus[1]"),
+    ("limit-mm-per-prompt: {image: many}\n", "$.limit-mm-per-prompt"),
+    ("- just\n- a list\n", "want a mapping"),
+    ("port: [\n", "not YAML"),
+])
+def test_a_bad_file_is_one_error_naming_the_key(tmp_path, text, named):
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, text))
+    assert named in str(caught.value)
+
+
+def test_a_bad_file_exits_2_with_one_line(tmp_path):
+    path = write(tmp_path, "mode: fast\n")
+    result = subprocess.run([sys.executable, str(REPO / "bin" / "epd-launch"), "--config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "$.mode" in result.stderr and "allowed: epd, aggregated" in result.stderr
+
+
+def test_every_launcher_flag_is_a_config_key_and_back():
+    """The schema and the parser list the same settings (a new flag needs its key)."""
+    parser_flags = {a.dest for a in cli.build_parser()._actions if a.option_strings and a.dest != "help"}
+    assert parser_flags - {"config"} == set(LaunchFile.__struct_fields__)
+
+
+def test_the_engine_flags_parse_in_the_generator_and_the_proxy(tiny_dir):
+    from stages.generator import parse_args as generator_args
+    from stages.proxy import parse_args as proxy_args
+
+    args = cli.parse_args(["--model", str(tiny_dir), "--device", "cpu", "--gpu-memory-utilization", "0.7", "--max-num-seqs", "8", "--max-num-batched-tokens",
+                           "4096", "--limit-mm-per-prompt", '{"image": 2}'])
+    specs = plan_stages(cli.build_options(args), HostFacts(gpu_count=0))
+    generator = next(s for s in specs if s.role == "generator")
+    parsed = generator_args(list(generator.args))
+    assert (parsed.gpu_memory_utilization, parsed.max_num_seqs, parsed.max_num_batched_tokens) == (0.7, 8, 4096)
+    proxy = next(s for s in specs if s.role == "proxy")
+    assert proxy_args(list(proxy.args)).max_images == 2
+
+
+def test_a_file_of_every_key_round_trips():
+    every = LaunchFile(generators=2, served_model_name="one", gpus=[1], allowed_origins=["*"],
+                       limit_mm_per_prompt={"image": 1}, stage_arg=["proxy=--max-images=3"])
+    args = cli.parse_args(as_flags(every))
+    assert args.generators == 2 and args.served_model_name == ["one"] and args.gpus == (1,)
