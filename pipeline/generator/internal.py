@@ -3,12 +3,15 @@ protocol messages, and the receiver-side work that makes them."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline import protocol
 from pipeline.generator.media_budget import HeldBytes
+
+log = logging.getLogger("epd.generator")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ def prepare(request: protocol.GenerateRequest, decode_images: Callable) -> Prepa
         return PreparedRequest(request, decode_images(request))
     except ValueError as exc:
         return PreparedRequest(request, None, str(exc))
+    except Exception as exc:   # a backend failure: on a worker, it would be lost with its request
+        log.exception("decoding the media of %s failed", request.request_id)
+        return PreparedRequest(request, None, f"media decoding failed: {exc}")
 
 
 @dataclass
