@@ -267,3 +267,48 @@ def test_health_timeout_is_named(launch):
     assert re.fullmatch(rf"epd-launch: error: timed out: the proxy's http://127\.0\.0\.1:{launcher.port}/health "
                         r"did not answer 200 within 1 s \(last: (HTTP 503|no answer)\)", line)
     assert_all_gone(launcher.pids())
+
+
+def test_systemd_hears_ready_only_once_health_answers_and_watchdog_pings_until_stopping(launch, tmp_path):
+    """The launcher under a fake systemd (NOTIFY_SOCKET, WATCHDOG_USEC): STATUS
+    while loading, watchdog pings from the start, READY=1 only once /health
+    answers 200, STOPPING=1 on SIGTERM; the stages never see the socket."""
+    import urllib.request
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify.sock"))
+    listener.settimeout(0.05)
+    heard: list[str] = []
+
+    def hear(stop, timeout: float = 10.0) -> None:
+        """Collect datagrams until stop(heard) holds."""
+        deadline = time.monotonic() + timeout
+        while not stop(heard):
+            assert time.monotonic() < deadline, f"not heard in time: {heard}"
+            try:
+                heard.append(listener.recv(4096).decode())
+            except TimeoutError:
+                pass
+
+    def pings_since(start: int) -> int:
+        return sum(m == "WATCHDOG=1" for m in heard[start:])
+
+    launcher = launch({}, env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "400000"})
+    try:
+        hear(lambda h: any("STATUS=loading" in m for m in h))
+        loading = len(heard)
+        hear(lambda h: pings_since(loading) >= 3)          # every 0.2 s while loading
+        assert not any("READY=1" in m for m in heard)     # the proxy answers 503 so far
+        (launcher.folder / "ready").touch()
+        hear(lambda h: any("READY=1" in m for m in h))
+        with urllib.request.urlopen(f"http://127.0.0.1:{launcher.port}/health", timeout=5) as reply:
+            assert reply.status == 200
+        ready = len(heard)
+        hear(lambda h: pings_since(ready) >= 2)            # and on while serving
+        launcher.proc.send_signal(signal.SIGTERM)
+        hear(lambda h: any("STOPPING=1" in m for m in h))
+        assert launcher.finish() == 0, launcher.err
+    finally:
+        listener.close()
+    for dump in (launcher.folder / "pids").iterdir():
+        assert "NOTIFY_SOCKET" not in json.loads(dump.read_text())

@@ -30,6 +30,7 @@ from typing import IO
 from pipeline.arena.shm import remove_stale_segments
 from pipeline.launch.mps import MpsConfig, MpsDaemon, MpsError
 from pipeline.launch.plan import StageSpec
+from pipeline.launch.sd_notify import Notifier
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESTART_WINDOW_S = 60.0
@@ -85,7 +86,7 @@ class _Stage:
     restart_at: float | None = None
 
 
-def run_supervisor(config: SupervisorConfig, out: IO[str] | None = None) -> int:
+def run_supervisor(config: SupervisorConfig, out: IO[str] | None = None, notify: Notifier | None = None) -> int:
     """Run until SIGINT/SIGTERM/SIGHUP: 0 after a clean stop, 1 (with one
     line on stderr) when a stage fails to start or keeps dying."""
     stop, hurry = threading.Event(), threading.Event()
@@ -96,7 +97,7 @@ def run_supervisor(config: SupervisorConfig, out: IO[str] | None = None) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
-        Supervisor(config, out or sys.stdout, hurry).run(stop)
+        Supervisor(config, out or sys.stdout, hurry, notify).run(stop)
     except StageFailed as exc:
         print(f"epd-launch: error: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -107,8 +108,10 @@ def run_supervisor(config: SupervisorConfig, out: IO[str] | None = None) -> int:
 
 
 class Supervisor:
-    def __init__(self, config: SupervisorConfig, out: IO[str], hurry: threading.Event | None = None) -> None:
+    def __init__(self, config: SupervisorConfig, out: IO[str], hurry: threading.Event | None = None,
+                 notify: Notifier | None = None) -> None:
         self.config = config
+        self.notify = notify or Notifier()   # systemd (sd_notify.py); does nothing outside it
         self.out = out
         self.hurry = hurry or threading.Event()  # set: stop without waiting for the drain
         self.lock = threading.Lock()  # one writer at a time on `out`
@@ -124,11 +127,14 @@ class Supervisor:
             self._start_mps()
             for stage in self.stages:
                 self._start(stage)
+            self.notify.status(f"loading: {len(self.stages)} stages started, waiting for {self.config.health_url}")
             if self._wait_ready(stop):
                 self._write(f"EPD ready: {self.config.ready_url}")
+                self.notify.ready(f"serving on {self.config.ready_url}")
                 self._watch(stop)
         finally:
             try:
+                self.notify.stopping("stopping: the proxy drains the requests in flight, then every stage stops")
                 self._stop_all()
             finally:
                 if self.mps is not None:
@@ -150,6 +156,7 @@ class Supervisor:
         deadline = time.monotonic() + self.config.ready_timeout
         last = "no answer"
         while not stop.is_set():
+            self.notify.tick()
             for stage in self.stages:
                 code = stage.proc.poll()
                 if code is not None and not stop.is_set():
@@ -167,6 +174,7 @@ class Supervisor:
 
     def _watch(self, stop: threading.Event) -> None:
         while not stop.wait(self.config.poll_interval):
+            self.notify.tick()   # from this loop only: if it hangs, the pings stop and systemd acts
             now = time.monotonic()
             for stage in self.stages:
                 if stage.proc is not None and (code := stage.proc.poll()) is not None:
@@ -175,6 +183,7 @@ class Supervisor:
                     self._schedule_restart(stage, code, now)
                 elif stage.restart_at is not None and now >= stage.restart_at:
                     self._start(stage)
+                    self.notify.status(f"serving on {self.config.ready_url}; {stage.spec.instance} restarted")
 
     def _schedule_restart(self, stage: _Stage, code: int, now: float) -> None:
         stage.proc = None
@@ -187,8 +196,10 @@ class Supervisor:
         delay = min(self.config.max_backoff, self.config.restart_backoff * 2 ** len(stage.restarts))
         stage.restarts.append(now)
         stage.restart_at = now + delay
-        self._write(f"epd-launch: {name} {_exit_text(code)}; restarting in {delay:g} s "
-                    f"(restart {len(stage.restarts)} in the last {RESTART_WINDOW_S:g} s)")
+        line = (f"{name} {_exit_text(code)}; restarting in {delay:g} s "
+                f"(restart {len(stage.restarts)} in the last {RESTART_WINDOW_S:g} s)")
+        self._write(f"epd-launch: {line}")
+        self.notify.status(f"serving, degraded: {line}")
 
     def _start(self, stage: _Stage) -> None:
         spec = stage.spec
@@ -281,6 +292,8 @@ class Supervisor:
 
 def _child_env(overrides: Mapping[str, str]) -> dict[str, str]:
     env = {**os.environ, **overrides}
+    for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+        env.pop(name, None)   # systemd hears from the launcher alone
     # Lines reach the prefixing pump as they are printed, not at exit.
     env["PYTHONUNBUFFERED"] = "1"
     # `python -m stages.<role>` must resolve from any working directory.
