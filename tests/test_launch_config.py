@@ -82,7 +82,7 @@ def test_a_bad_file_exits_2_with_one_line(tmp_path):
 def test_every_launcher_flag_is_a_config_key_and_back():
     """The schema and the parser list the same settings (a new flag needs its key)."""
     parser_flags = {a.dest for a in cli.build_parser()._actions if a.option_strings and a.dest != "help"}
-    assert parser_flags - {"config"} == set(LaunchFile.__struct_fields__)
+    assert parser_flags - {"config", "write_systemd"} == set(LaunchFile.__struct_fields__)
 
 
 def test_the_engine_flags_parse_in_the_generator_and_the_proxy(tiny_dir):

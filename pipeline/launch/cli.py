@@ -18,12 +18,13 @@ from pathlib import Path
 from pipeline import transport
 from pipeline.arg_parser import OneLineParser, image_size
 from pipeline.launch.auto_placement import PlanWorkload, choose_placement
-from pipeline.launch.config import ConfigError, expand_config
+from pipeline.launch.config import ConfigError, dump_config, expand_config, settings_of
 from pipeline.launch.placement import PLACEMENTS, describe
 from pipeline.launch.plan import (
     DEVICES, DTYPES, MODES, MPS_MODES, ROLES, LaunchError, LaunchOptions, host_facts, http_url, mps_config,
     plan_gpus, plan_stages, uses_cuda)
 from pipeline.launch.supervisor import SupervisorConfig, run_supervisor
+from pipeline.launch.systemd_units import write_units
 from pipeline.models.shape_configs import SHAPES  # torch-free
 
 
@@ -82,6 +83,8 @@ def build_parser() -> OneLineParser:
     api.add_argument("--served-model-name", nargs="+", metavar="NAME", help="names clients may ask for")
     api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $EPD_API_KEY; none)")
     api.add_argument("--allowed-origins", metavar="JSON", help='CORS origins, a JSON list (default: ["*"])')
+    p.add_argument("--write-systemd", type=Path, metavar="DIR",
+                   help="write the box's systemd units and config file (these flags) into DIR, then exit")
     p.add_argument("--log-dir", type=Path, metavar="DIR",
                    help="write <instance>.log files here instead of prefixed lines on stdout")
     p.add_argument("--stage-arg", action="append", type=_stage_arg, default=[], metavar="ROLE=ARG",
@@ -197,6 +200,8 @@ def check_port_free(host: str, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.write_systemd is not None:
+        return write_systemd(args)
     try:
         options = build_options(args)
         check_port_free(options.host, options.port)
@@ -222,6 +227,31 @@ def main(argv: list[str] | None = None) -> int:
                               stop_timeout=args.stop_timeout, log_dir=log_dir, drain_timeout=options.drain_timeout,
                               mps=mps)
     return run_supervisor(config)
+
+
+def write_systemd(args: argparse.Namespace) -> int:
+    """The units for this topology: the MPS daemon's too where stages share a GPU (as planned on this host)."""
+    try:
+        options = build_options(args)
+        facts = host_facts(options)
+        specs, _ = plan_box(options, facts, args)
+        written = write_units(args.write_systemd, dump_config(settings_of(build_parser(), args)),
+                              options.mps == "on" or (options.mps == "auto" and shares_a_gpu(specs)))
+    except LaunchError as exc:
+        print(f"epd-launch: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"epd-launch: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    names = " ".join(p.name for p in written)
+    print(f"epd-launch: wrote {names} into {args.write_systemd}; install: copy epd.yaml to /etc/epd/ and the "
+          "units to /etc/systemd/system/, then systemctl daemon-reload && systemctl enable --now epd")
+    return 0
+
+
+def shares_a_gpu(specs) -> bool:
+    devices = [s.device for s in specs if s.role != "proxy" and s.device.startswith("cuda")]
+    return len(devices) != len(set(devices))
 
 
 def plan_box(options: LaunchOptions, facts, args: argparse.Namespace):

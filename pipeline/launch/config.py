@@ -129,3 +129,32 @@ def expand_config(argv: list[str]) -> list[str]:
                 path, rest = arg.partition("=")[2], argv[:i] + argv[i + 1:]
             return as_flags(load_config(Path(path))) + expand_config(rest)
     return argv
+
+
+NOT_IN_FILE = ("config", "write_systemd", "log_dir")   # flags about this run, not the box's settings
+
+
+def settings_of(parser, args) -> dict:
+    """The settings of parsed `args` that differ from the parser's defaults,
+    as a config file's keys and values (the inverse of as_flags)."""
+    out = {}
+    for field in LaunchFile.__struct_fields__:
+        value = getattr(args, field, None)
+        if field in NOT_IN_FILE or value is None or value == parser.get_default(field):
+            continue
+        if field == "stage_arg":
+            value = [f"{role}={arg}" for role, arg in value]
+        elif field == "image_size":
+            value = f"{value[0]}x{value[1]}"
+        elif field == "allowed_origins":
+            value = json.loads(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, Path):
+            value = str(value.resolve())
+        out[field.replace("_", "-")] = value
+    return out
+
+
+def dump_config(settings: dict) -> str:
+    return yaml.safe_dump(settings, sort_keys=False, default_flow_style=None)
