@@ -222,6 +222,8 @@ class TokenDelta(_Msg, tag="delta"):
     status: int = 0
     # Per token of token_ids when the request asked: (its logprob, the top ids, their logprobs).
     logprobs: tuple[tuple[float, tuple[int, ...], tuple[float, ...]], ...] = ()
+    # On the last delta: seconds queued, in prefill, in decode at its generator (engine/request_phases.py).
+    phases: tuple[float, ...] = ()
 
 
 class AbortRequest(_Msg, tag="abort"):

@@ -222,7 +222,9 @@ def test_vllm_named_series_are_served(epd):
              "vllm:kv_cache_usage_perc": "gauge", "vllm:num_preemptions": "counter",
              "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
              "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
-             "vllm:time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram"}
+             "vllm:time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+             "vllm:request_queue_time_seconds": "histogram", "vllm:request_prefill_time_seconds": "histogram",
+             "vllm:request_decode_time_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram"}
     for name, kind in kinds.items():
         assert found[name].type == kind, name
         assert all(s.labels.get("model_name") == "tiny" for s in found[name].samples), name
@@ -235,3 +237,16 @@ def test_vllm_named_series_are_served(epd):
     assert total("vllm:request_success", finished_reason="length") >= 2
     counts = [s.value for s in found["vllm:e2e_request_latency_seconds"].samples if s.name.endswith("_count")]
     assert counts and counts[0] >= 2
+
+    def histogram(name):
+        samples = found[name].samples
+        count = next(s.value for s in samples if s.name == name + "_count")
+        return count, next(s.value for s in samples if s.name == name + "_sum")
+
+    for phase in ("queue", "prefill", "decode"):
+        count, seconds = histogram(f"vllm:request_{phase}_time_seconds")
+        assert count == counts[0] and seconds >= 0, phase     # every finished request, once
+    e2e_seconds = histogram("vllm:e2e_request_latency_seconds")[1]
+    assert 0 < histogram("vllm:request_decode_time_seconds")[1] < e2e_seconds   # the 400-token one decoded a while
+    count, seconds = histogram("vllm:inter_token_latency_seconds")
+    assert count >= 399 and 0 < seconds < e2e_seconds         # every interval after a first token

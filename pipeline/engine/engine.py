@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ from pipeline.models.spec import span_rows
 from pipeline.engine.runner import ModelRunner, PromptGeometry
 from pipeline.engine.grammar import Grammars
 from pipeline.engine.logprobs import batch_logprobs
+from pipeline.engine.request_phases import RequestPhases
 from pipeline.engine.penalties import PenaltyPool, uses_penalties
 from pipeline.engine.sampler import SamplingRow, make_generator, sample
 from pipeline.engine.scheduler import Scheduler
@@ -83,6 +84,7 @@ class _Live:
     image_inputs: dict[str, tuple[torch.Tensor, tuple[int, int, int]]]
     pool_row: int | None = None   # in the engine's PenaltyPool, from the request's first sampled token on
     matcher: Any = None           # its grammar's matcher (structured output), if any
+    phases: RequestPhases = field(default_factory=RequestPhases)
 
 
 class Engine:
@@ -223,6 +225,9 @@ class Engine:
         sampled: dict[str, int] = {}
         logprobs: dict = {}
         if plan.chunks:
+            started = time.monotonic()
+            for chunk in plan.chunks:
+                self.live[chunk.request_id].phases.on_scheduled(started)
             cache = self.scheduler.encoder_cache
             due, logits = self.runner.execute(plan, {c.request_id: self.scheduler.get_request(c.request_id)
                                                      for c in plan.chunks},
@@ -299,6 +304,7 @@ class Engine:
     def _output(self, request_id: str, token: int, finished: FinishedRequest | None,
                 logprobs=None) -> RequestOutput:
         live = self.live[request_id]
+        live.phases.on_token(time.monotonic())
         chosen = (logprobs,) if logprobs is not None else ()
         delta = live.text.push(token)
         request = self.scheduler.get_request(request_id)
@@ -310,4 +316,5 @@ class Engine:
         delta += live.text.finish()
         self._forget(request_id)
         return RequestOutput(request_id, (token,), delta, True, finished.finish_reason,
-                             finished.num_prompt_tokens, len(finished.output_token_ids), logprobs=chosen)
+                             finished.num_prompt_tokens, len(finished.output_token_ids), logprobs=chosen,
+                             phases=live.phases.durations(time.monotonic()))

@@ -28,6 +28,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None
     logprobs: tuple = ()   # engine/logprobs.py's TokenLogprobs per new token, when asked for
+    phases: tuple[float, ...] = ()   # on the last: (queue, prefill, decode) seconds (engine/request_phases.py)
 
 
 @dataclass

@@ -365,7 +365,8 @@ class GeneratorService:
             self.ended.add(output.request_id)
         self.send(tracked.reply_to, protocol.TokenDelta(
             output.request_id, output.new_token_ids, output.new_text, output.finished,
-            output.finish_reason or "", output.num_prompt_tokens, output.num_output_tokens, logprobs=output.logprobs))
+            output.finish_reason or "", output.num_prompt_tokens, output.num_output_tokens, logprobs=output.logprobs,
+            phases=output.phases))
 
     def _refetch(self) -> None:
         keys, self.engine.refetch = self.engine.refetch, []

@@ -68,6 +68,9 @@ class Flight:
     deltas: asyncio.Queue
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    # Seconds between tokens as deltas bring them (k tokens in one delta: k intervals of a k-th each).
+    intervals: list[float] = field(default_factory=list)
     tokens: int = 0
     token_ids: list[int] = field(default_factory=list)   # generated so far
     resumed_from: int = 0      # tokens generated before the last move to another generator
@@ -206,8 +209,13 @@ class Dispatcher:
         flight = self._current(delta.request_id)
         if flight is None:
             return
-        if delta.token_ids and flight.first_token_at is None:
-            flight.first_token_at = time.monotonic()
+        if delta.token_ids:
+            now = time.monotonic()
+            if flight.first_token_at is None:
+                flight.first_token_at = now
+            elif flight.last_token_at is not None:
+                flight.intervals += [(now - flight.last_token_at) / len(delta.token_ids)] * len(delta.token_ids)
+            flight.last_token_at = now
         flight.tokens += len(delta.token_ids)
         flight.token_ids += delta.token_ids
         if delta.finished and flight.resumed_from:

@@ -55,7 +55,8 @@ class ProxyMetrics:
             if flight.tokens > 1:
                 tpot = (now - flight.first_token_at) / (flight.tokens - 1)
                 self.tpot.observe(tpot)
-        self.vllm.finished(delta.finish_reason, delta.prompt_tokens, ttft, tpot, now - flight.created)
+        self.vllm.finished(delta.finish_reason, delta.prompt_tokens, ttft, tpot, now - flight.created, delta.phases,
+                           flight.intervals)
 
 
 # Which StageStats entries become which series.

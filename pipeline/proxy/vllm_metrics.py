@@ -4,10 +4,13 @@ can report truthfully; beside our own epd_* series, from the same events.
 
 Per request (the proxy sees each one end): prompt and generation tokens,
 successes by finish reason, time to first token, time per output token
-after the first, end-to-end latency. One difference: vLLM observes every
-interval between tokens in vllm:time_per_output_token_seconds, and this
-server observes each request's mean interval once. The proxy sees deltas,
-not each token's time. Per generator (`engine` label, as vLLM
+after the first, end-to-end latency; the time its generator had it queued,
+in prefill and in decode (the request's last delta carries them); and the
+intervals between its tokens (vllm:inter_token_latency_seconds). Two
+differences: vLLM observes every interval between tokens in
+vllm:time_per_output_token_seconds, and this server observes each request's
+mean interval once; and the intervals are as the proxy receives deltas (a
+delta of k tokens counts as k intervals of a k-th of its wait each). Per generator (`engine` label, as vLLM
 reports per engine; from the stages' stats): running and waiting requests,
 KV cache usage, preemptions.
 """
@@ -42,9 +45,19 @@ class VllmSeries:
                               label, buckets=TPOT_BUCKETS, registry=registry)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", label,
                              buckets=E2E_BUCKETS, registry=registry)
+        self.phases = [Histogram(f"vllm:request_{phase}_time_seconds", f"Time in the {phase} phase", label,
+                                 buckets=E2E_BUCKETS, registry=registry) for phase in ("queue", "prefill", "decode")]
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens", label,
+                             buckets=TPOT_BUCKETS, registry=registry)
 
-    def finished(self, reason: str, prompt_tokens: int, ttft: float | None, tpot: float | None, e2e: float) -> None:
+    def finished(self, reason: str, prompt_tokens: int, ttft: float | None, tpot: float | None, e2e: float,
+                 phases: tuple[float, ...] = (), intervals: list[float] = ()) -> None:
         name = self.model_name
+        for histogram, seconds in zip(self.phases, phases):
+            histogram.labels(name).observe(seconds)
+        itl = self.itl.labels(name)
+        for seconds in intervals:
+            itl.observe(seconds)
         self.prompt_tokens.labels(name).inc(prompt_tokens)
         self.success.labels(name, FINISHED_REASONS.get(reason, "stop")).inc()
         self.e2e.labels(name).observe(e2e)
