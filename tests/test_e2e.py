@@ -250,3 +250,11 @@ def test_vllm_named_series_are_served(epd):
     assert 0 < histogram("vllm:request_decode_time_seconds")[1] < e2e_seconds   # the 400-token one decoded a while
     count, seconds = histogram("vllm:inter_token_latency_seconds")
     assert count >= 399 and 0 < seconds < e2e_seconds         # every interval after a first token
+
+    # The dashboard in the repository names only series this server has.
+    text = httpx.get(epd.base_url + "/metrics", timeout=10).text
+    served = {f.name for f in text_string_to_metric_families(text)}
+    dashboard = json.loads((REPO / "docs" / "grafana" / "epd-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    named = {re.sub(r"_(bucket|total|count|sum)$", "", n) for e in exprs for n in re.findall(r"(?:vllm:|epd_)\w+", e)}
+    assert len(named) >= 20 and named <= served, named - served
