@@ -37,7 +37,6 @@ def chat_body(**extra) -> dict:
 
 
 REFUSED = {
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
     "functions": [{"name": "f"}], "function_call": "auto",
     "prompt_logprobs": 1, "best_of": 2,
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= x",
@@ -46,7 +45,7 @@ REFUSED = {
 
 
 def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
-    assert set(REFUSED) | {"parallel_tool_calls", "echo", "suffix"} == set(NOT_YET_SUPPORTED)
+    assert set(REFUSED) | {"echo", "suffix"} == set(NOT_YET_SUPPORTED)
     import json
 
     import pipeline.proxy.api_types as api
@@ -58,7 +57,8 @@ def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
     neutral = dict(tools=[], tool_choice="none", logprobs=False, top_logprobs=0,
                    best_of=1, parallel_tool_calls=True)
     parse_body(json.dumps(chat_body(**neutral)).encode(), "chat")
-    for field, value in (("echo", True), ("suffix", "tail")):
+    for field, value in (("echo", True), ("suffix", "tail"), ("tools", [{"type": "function"}]),
+                         ("tool_choice", "auto")):
         with pytest.raises(api.ApiError, match=f"'{field}'"):
             parse_body(json.dumps({"prompt": "x", field: value}).encode(), "completion")
 
@@ -144,8 +144,8 @@ def test_request_ids_and_the_json_error_shape(tiny_dir, tmp_path):
         assert error["code"] == 404 and "/v1/nothing-here" in error["message"]
         wrong_method = await client.get(CHAT)
         assert wrong_method.status == 405 and (await wrong_method.json())["error"]["code"] == 405
-        refused = await client.post(CHAT, json=chat_body(tool_choice="required"))
-        assert refused.status == 400 and (await refused.json())["error"]["param"] == "tool_choice"
+        refused = await client.post(CHAT, json=chat_body(function_call="auto"))
+        assert refused.status == 400 and (await refused.json())["error"]["param"] == "function_call"
 
     serve(tiny_dir, tmp_path, scenario=scenario)
 

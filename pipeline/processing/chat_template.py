@@ -189,6 +189,15 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
     return message
 
 
+def _names_read(tree: nodes.Template) -> frozenset[str]:
+    """Every variable, attribute and constant key the template reads."""
+    names = {node.name for node in tree.find_all(nodes.Name)}
+    names |= {node.attr for node in tree.find_all(nodes.Getattr)}
+    names |= {node.arg.value for node in tree.find_all(nodes.Getitem)
+              if isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str)}
+    return frozenset(names)
+
+
 class ChatTemplate:
     """A checkpoint's compiled chat template(s); render() is safe to call concurrently."""
 
@@ -204,6 +213,7 @@ class ChatTemplate:
             raise ValueError(f"{origin}: chat template does not compile: {exc}") from exc
         self._sources = dict(templates)
         self._special_tokens = dict(special_tokens)
+        self._names = {name: _names_read(env.parse(source)) for name, source in templates.items()}
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path) -> ChatTemplate:
@@ -217,6 +227,12 @@ class ChatTemplate:
     def source(self) -> str:
         """The default template's Jinja source."""
         return self._sources["default"]
+
+    def reads(self, name: str, *, tools: bool = False) -> bool:
+        """Whether the template that renders a conversation (with tools, or
+        not) ever reads `name`, as a variable or a field (`tools`,
+        `tool_calls`, ...): if it never does, what it names is lost."""
+        return name in self._names[self._pick([{}] if tools else None)]
 
     def _pick(self, tools: Sequence[Mapping] | None) -> str:
         if tools is not None and "tool_use" in self._compiled:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ MAX_REQUEST_ID = 128   # longer ids sent by clients are replaced by ours
 _key = getattr(web, "RequestKey", lambda name, kind: name)
 REQUEST_ID_KEY = _key("request_id", str)
 MODEL_NAME_KEY = _key("model_name", str)   # the model name a response reports
+PARSE_TOOLS_KEY = _key("parse_tools", bool)   # whether tool calls are parsed out of the answer
+ARRIVED_KEY = _key("arrived", float)   # time.monotonic() as the request came in (TTFT counts from it)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ def error_middleware(policy: AccessPolicy):
 
     @web.middleware
     async def middleware(request: web.Request, handler):
+        request[ARRIVED_KEY] = time.monotonic()
         request_id = request_id_of(request)
         request[REQUEST_ID_KEY] = request_id
         try:

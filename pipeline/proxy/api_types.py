@@ -52,9 +52,24 @@ class MediaProcessorKwargs(msgspec.Struct):
     num_frames: int | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str | dict | None = None   # the API sends a JSON string
+
+
+class ToolCallItem(msgspec.Struct):
+    """One of an assistant message's earlier tool calls."""
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None      # a tool message's answer to that call
+    name: str | None = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -83,13 +98,13 @@ class SamplingFields(msgspec.Struct):
     logit_bias: dict[str, float] | None = None
     logprobs: bool | int | None = None   # chat: a bool (with top_logprobs); completions: the top count
     top_logprobs: int | None = None
-    # Accepted only at their neutral values (see NOT_YET_SUPPORTED).
-    tools: list | None = None
+    tools: list | None = None           # chat only; checked in proxy/tools.py
     tool_choice: str | dict | None = None
-    functions: list | None = None
-    function_call: str | dict | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
+    # Accepted only at their neutral values (see NOT_YET_SUPPORTED).
+    functions: list | None = None
+    function_call: str | dict | None = None
     prompt_logprobs: int | None = None
     best_of: int | None = None
     guided_json: str | dict | None = None
@@ -117,13 +132,16 @@ def _neutral(value) -> bool:
 
 # field -> whether a value of it asks for nothing this server would ignore.
 NOT_YET_SUPPORTED = {
-    "tools": _neutral, "functions": _neutral, "function_call": lambda v: v in (None, "none"),
-    "tool_choice": lambda v: v in (None, "none"), "parallel_tool_calls": lambda v: True,
+    "functions": _neutral, "function_call": lambda v: v in (None, "none"),   # the legacy form of tools
     "prompt_logprobs": _neutral,
     "best_of": lambda v: v in (None, 1),
     "guided_regex": _neutral, "guided_choice": _neutral, "guided_grammar": _neutral,
     "structured_outputs": _neutral, "echo": _neutral, "suffix": lambda v: not v,
 }
+
+
+# Chat fields that a text completion does not take.
+CHAT_ONLY = {"tools": _neutral, "tool_choice": lambda v: v in (None, "none"), "parallel_tool_calls": lambda v: True}
 
 
 def refused_field(request) -> str | None:
@@ -158,6 +176,9 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
         raise ApiError(f"n must be in [1, {MAX_N}], got {request.n}", param="n")
     if (field := refused_field(request)) is not None:
         raise ApiError(f"'{field}' is not supported by this server yet; leave it unset", param=field)
+    if kind == "completion" and (field := next((f for f, neutral in CHAT_ONLY.items()
+                                                if not neutral(getattr(request, f))), None)):
+        raise ApiError(f"'{field}' is for /v1/chat/completions; text completions take no tools", param=field)
     if request.top_k is not None and request.top_k < -1:
         raise ApiError("top_k must be -1 or 0 (off) or a positive number of tokens", param="top_k")
     if kind == "chat" and not request.messages:

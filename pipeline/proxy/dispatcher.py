@@ -59,6 +59,8 @@ class Work:
     request: protocol.GenerateRequest
     jobs: list[protocol.EncodeJob]   # consumer filled in at dispatch
     cost: int                        # prompt + max new tokens, for load balancing
+    arrived: float | None = None     # time.monotonic() at the HTTP request's arrival (None: at submit)
+    client_id: str = ""              # the request's X-Request-Id, for the log
 
 
 @dataclass
@@ -136,7 +138,7 @@ class Dispatcher:
             raise ApiError("server busy: too many requests in flight, retry later", status=503,
                            kind="server_busy")
         generator = self._pick_generator(exclude=())
-        flight = Flight(work, generator, asyncio.Queue())
+        flight = Flight(work, generator, asyncio.Queue(), created=work.arrived or time.monotonic())
         self.flights[work.request.request_id] = flight
         self._dispatch(flight)
         return flight

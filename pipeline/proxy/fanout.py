@@ -19,7 +19,7 @@ from pipeline.proxy.access import MODEL_NAME_KEY
 from pipeline.proxy.api_types import ApiError
 from pipeline.proxy.dispatcher import Flight, Work
 from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
-from pipeline.proxy.responses import error_response, response_body
+from pipeline.proxy.responses import ChatDeltas, error_response, response_body
 
 
 def copies(work: Work, n: int) -> list[Work]:
@@ -32,7 +32,8 @@ def copies(work: Work, n: int) -> list[Work]:
         rid = f"{request.request_id}.{i}"
         seeded = msgspec.structs.replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
         jobs = [msgspec.structs.replace(job, job_id=f"{job.job_id}.{i}", request_id=rid) for job in work.jobs]
-        out.append(Work(msgspec.structs.replace(request, request_id=rid, sampling=seeded), jobs, work.cost))
+        out.append(Work(msgspec.structs.replace(request, request_id=rid, sampling=seeded), jobs, work.cost,
+                        work.arrived, work.client_id))
     return out
 
 
@@ -118,6 +119,7 @@ class ManyChoices:
     async def _send_merged(self, stream, req, flights: list[Flight], merged: asyncio.Queue, chat: bool) -> None:
         tokenizer = self.model.processor.tokenizer
         offsets = [0] * len(flights)
+        deltas = [ChatDeltas(stream.tools) for _ in flights]
         done, prompt_tokens, completion_tokens = 0, 0, 0
         while done < len(flights):
             index, delta = await merged.get()
@@ -128,7 +130,8 @@ class ManyChoices:
                 await stream.send({"error": {"message": delta.error, "type": "server_error",
                                              "code": delta.status or 500}})
                 return
-            chunk = stream.chunk({"content": delta.text} if chat else delta.text, delta.finish_reason or None)
+            payload = deltas[index].delta(delta.text, delta.finished) if chat else delta.text
+            chunk = stream.chunk(payload, deltas[index].finish_reason(delta.finish_reason) or None)
             chunk["choices"][0]["index"] = index
             if flights[index].work.request.sampling.logprobs is not None:
                 entries = entries_of(delta)
@@ -136,7 +139,7 @@ class ManyChoices:
                     tokenizer, entries, offsets[index])
                 offsets[index] += 0 if chat else sum(len(t) for t in found["tokens"])
                 chunk["choices"][0]["logprobs"] = found
-            if delta.text or delta.finished or delta.logprobs:
+            if (payload if stream.tools else delta.text) or delta.finished or delta.logprobs:
                 await stream.send(chunk)
             if delta.finished:
                 done += 1

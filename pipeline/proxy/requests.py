@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import jinja2
 import msgspec
 
 from pipeline import protocol
@@ -27,6 +29,7 @@ from pipeline.proxy.api_types import (
 from pipeline.proxy.dispatcher import Work
 from pipeline.proxy.media_fetch import FetchPolicy, fetch_image
 from pipeline.proxy.structured import grammar_of
+from pipeline.proxy.tools import ToolRequest, forced_grammar, tag_tokens_of, template_tool_calls, tool_request
 from pipeline.proxy.video_items import VideoLimits, checked_plan, video_key, video_options
 
 
@@ -46,6 +49,11 @@ class ModelInfo:
     def names(self) -> tuple[str, ...]:
         return self.served_names or (self.model_id,)
 
+    @cached_property
+    def tag_tokens(self) -> frozenset[str]:
+        """The tool-call tags its tokenizer has as tokens (proxy/tools.py)."""
+        return tag_tokens_of(self.processor.tokenizer)
+
     def check_name(self, name: str | None) -> str:
         """The name a response reports: the one asked for, else the first.
         404 in the common servers' words for a model not served here."""
@@ -58,7 +66,10 @@ class ModelInfo:
 
 async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchPolicy, request_id: str,
                     reply_to: str, session=None) -> Work:
+    tools = tool_request(req)
     messages, media = plain_messages(req.messages)
+    check_template_takes(model.processor.template, tools, messages)
+    grammar = forced_grammar(tools, model.tag_tokens) if tools.forced else ""
     if len(media) > model.max_images:
         raise ApiError(f"too many images and videos: {len(media)} (at most {model.max_images} per request)",
                        param="messages")
@@ -73,14 +84,14 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     try:
         # Inline, not in a thread: rendering and tokenizing a prompt takes far
         # less than a thread hop costs under the GIL.
-        prompt = model.processor.chat_prompt(messages, sizes, plans)
-    except ValueError as exc:
+        prompt = model.processor.chat_prompt(messages, sizes, plans, tools.template_tools)
+    except (ValueError, jinja2.TemplateError) as exc:
         raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
     # Items in prompt order are the media in message order.
     keys = [video_key(data, model.model_id, cfg, options) if kind == "video" else content_hash(data, model.salt)
             for kind, data in zip(kinds, fetched)]
     items = [_Item(kind, data, key) for kind, data, key in zip(kinds, fetched, keys)]
-    return _work(req, model, request_id, reply_to, prompt, items, options)
+    return _work(req, model, request_id, reply_to, prompt, items, options, grammar)
 
 
 async def completion_work(req: CompletionRequest, model: ModelInfo, request_id: str, reply_to: str) -> Work:
@@ -100,24 +111,42 @@ def plain_messages(chat: list[ChatMessage]) -> tuple[list[dict], list[tuple[str,
     """Messages as the chat template expects them, and the (kind, URL) of
     each image and video, in order."""
     messages, urls = [], []
-    for m in chat:
+    for i, m in enumerate(chat):
         if m.content is None or isinstance(m.content, str):
-            messages.append({"role": m.role, "content": m.content or ""})
-            continue
-        parts = []
-        for part in m.content:
-            if part.type == "text":
-                parts.append({"type": "text", "text": part.text or ""})
-            elif part.type == "image_url":
-                urls.append(("image", image_url_of(part)))
-                parts.append({"type": "image"})
-            elif part.type == "video_url":
-                urls.append(("video", video_url_of(part)))
-                parts.append({"type": "video"})
-            else:
-                raise ApiError(f"unsupported content part type {part.type!r}", param="messages")
-        messages.append({"role": m.role, "content": parts})
+            message = {"role": m.role, "content": m.content or ""}
+        else:
+            message = {"role": m.role, "content": [_part(part, urls) for part in m.content]}
+        if m.tool_calls:
+            message["tool_calls"] = template_tool_calls(m.tool_calls, f"messages[{i}]")
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
     return messages, urls
+
+
+def _part(part, urls: list[tuple[str, str]]) -> dict:
+    if part.type == "text":
+        return {"type": "text", "text": part.text or ""}
+    if part.type == "image_url":
+        urls.append(("image", image_url_of(part)))
+        return {"type": "image"}
+    if part.type == "video_url":
+        urls.append(("video", video_url_of(part)))
+        return {"type": "video"}
+    raise ApiError(f"unsupported content part type {part.type!r}", param="messages")
+
+
+def check_template_takes(template, tools: ToolRequest, messages: list[dict]) -> None:
+    """A 400 for tools, or earlier tool calls, that the checkpoint's chat
+    template never reads: the model would never see them."""
+    if tools.tools and not template.reads("tools", tools=True):
+        raise ApiError("this model's chat template takes no tools: the model would never see them",
+                       param="tools")
+    if any("tool_calls" in m for m in messages) and not template.reads("tool_calls", tools=bool(tools.tools)):
+        raise ApiError("this model's chat template does not render an assistant message's tool_calls",
+                       param="messages")
 
 
 def _checked_size(number: int, data: bytes, model: ModelInfo) -> tuple[int, int]:
@@ -138,7 +167,7 @@ class _Item:
 
 
 def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: MultimodalPrompt, items: list[_Item],
-          options: VideoOptions | None) -> Work:
+          options: VideoOptions | None, tool_grammar: str = "") -> Work:
     ids = prompt.token_ids
     room = model.max_context - len(ids)
     defaults = model.defaults
@@ -155,7 +184,7 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
             top_k=max(_given(req.top_k, defaults, "top_k", 0), 0),   # -1 and 0 both mean off
             top_p=_given(req.top_p, defaults, "top_p", 1.0), seed=req.seed,
             stop=stop_strings(req.stop), stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos, grammar=grammar_of(req),
+            ignore_eos=req.ignore_eos, grammar=grammar_of(req, tool_grammar),
             **processor_fields(req, model.processor.tokenizer.vocab_size, defaults))
         _check_sampling(sampling)
     except ValueError as exc:

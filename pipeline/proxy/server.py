@@ -12,16 +12,19 @@ import msgspec
 from aiohttp import web
 
 from pipeline import protocol
-from pipeline.proxy.access import MODEL_NAME_KEY, AccessPolicy, add_cors, echo_request_id, error_middleware
+from pipeline.proxy.access import (ARRIVED_KEY, MODEL_NAME_KEY, PARSE_TOOLS_KEY, REQUEST_ID_KEY, AccessPolicy,
+                                   add_cors, echo_request_id, error_middleware)
 from pipeline.proxy.api_types import ApiError, parse_body
 from pipeline.proxy.dispatcher import Dispatcher, Flight
 from pipeline.proxy.fanout import ManyChoices, copies
 from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
 from pipeline.proxy.media_fetch import FetchPolicy, guarded_session
 from pipeline.proxy.metrics import ProxyMetrics
+from pipeline.proxy.request_log import log_finished
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
-from pipeline.proxy.responses import error_response, response_body, usage_of
+from pipeline.proxy.responses import ChatDeltas, error_response, response_body, usage_of
 from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
+from pipeline.proxy.tools import tool_request
 
 MAX_BODY = 64 << 20
 CLIENT_CHECK_S = 1.0     # how often hung-up clients are looked for
@@ -111,6 +114,8 @@ class ProxyApp(ManyChoices):
         request[MODEL_NAME_KEY] = self.model.check_name(req.model)
         rid = "chatcmpl-" + self.dispatcher.new_request_id()
         work = await chat_work(req, self.model, self.policy, rid, self.dispatcher.address, self.session)
+        work.arrived, work.client_id = request[ARRIVED_KEY], request[REQUEST_ID_KEY]
+        request[PARSE_TOOLS_KEY] = tool_request(req).parses
         if req.n > 1:
             return await self._serve_many(request, req, copies(work, req.n), chat=True)
         return await self._serve(request, req, work, chat=True)
@@ -120,6 +125,7 @@ class ProxyApp(ManyChoices):
         request[MODEL_NAME_KEY] = self.model.check_name(req.model)
         rid = "cmpl-" + self.dispatcher.new_request_id()
         work = await completion_work(req, self.model, rid, self.dispatcher.address)
+        work.arrived, work.client_id = request[ARRIVED_KEY], request[REQUEST_ID_KEY]
         if req.n > 1:
             return await self._serve_many(request, req, copies(work, req.n), chat=False)
         return await self._serve(request, req, work, chat=False)
@@ -198,7 +204,8 @@ class ProxyApp(ManyChoices):
             last = await self._next(flight)
             text += last.text
             entries += entries_of(last)
-        choice = response_body(rid, request[MODEL_NAME_KEY], text, last, chat)["choices"][0]
+        choice = response_body(rid, request[MODEL_NAME_KEY], text, last, chat,
+                               request.get(PARSE_TOOLS_KEY, False))["choices"][0]
         if flight.work.request.sampling.logprobs is not None:
             tokenizer = self.model.processor.tokenizer
             choice["logprobs"] = (chat_logprobs(tokenizer, entries) if chat else
@@ -209,20 +216,22 @@ class ProxyApp(ManyChoices):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         echo_request_id(request, response)
         await response.prepare(request)
-        stream = _Stream(response, rid, request[MODEL_NAME_KEY], int(time.time()), chat)
+        stream = _Stream(response, rid, request[MODEL_NAME_KEY], int(time.time()), chat,
+                         tools=request.get(PARSE_TOOLS_KEY, False))
         if chat:
             await stream.send(stream.chunk({"role": "assistant", "content": ""}, None))
         return stream
 
     async def _stream(self, stream: _Stream, req, flight, delta):
+        deltas = ChatDeltas(stream.tools)
         while True:
             if delta.error:
                 await stream.send({"error": {"message": delta.error, "type": "server_error",
                                              "code": delta.status or 500}})
                 break
-            if delta.text or delta.finished or delta.logprobs:
-                payload = {"content": delta.text} if stream.chat else delta.text
-                chunk = stream.chunk(payload, delta.finish_reason or None)
+            payload = deltas.delta(delta.text, delta.finished) if stream.chat else delta.text
+            if (payload if stream.tools else delta.text) or delta.finished or delta.logprobs:
+                chunk = stream.chunk(payload, deltas.finish_reason(delta.finish_reason) or None)
                 if flight.work.request.sampling.logprobs is not None:
                     chunk["choices"][0]["logprobs"] = self._chunk_logprobs(stream, delta)
                 await stream.send(chunk)
@@ -246,7 +255,9 @@ class ProxyApp(ManyChoices):
         return found
 
     def _record(self, flight: Flight, delta: protocol.TokenDelta) -> None:
-        self.metrics.finished(flight, delta, time.monotonic())
+        now = time.monotonic()
+        self.metrics.finished(flight, delta, now)
+        log_finished(flight, delta, now)
 
 
 @dataclass
@@ -259,6 +270,7 @@ class _Stream:
     created: int
     chat: bool
     text_offset: int = 0   # the completions API's logprobs count characters from the start
+    tools: bool = False    # tool calls are parsed out of the chat text
 
     def chunk(self, payload, finish_reason) -> dict:
         choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}

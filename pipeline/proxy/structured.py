@@ -1,6 +1,7 @@
 """Structured output requests -> the llguidance grammar the generators
 enforce: `response_format` (`json_object`, `json_schema`) and the common
-servers' `guided_json`. A schema the grammar compiler refuses is a 400."""
+servers' `guided_json`, or the grammar of a forced tool_choice
+(proxy/tools.py). A schema the grammar compiler refuses is a 400."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ import json
 from pipeline.proxy.api_types import ApiError
 
 
-def grammar_of(req) -> str:
-    """The request's grammar, or "" for free text."""
+def grammar_of(req, tool_grammar: str = "") -> str:
+    """The request's grammar, or "" for free text. `tool_grammar`: the one
+    that enforces its tool_choice (proxy/tools.py), if any."""
     schema, field = _schema(req)
+    if tool_grammar and schema is not None:
+        raise ApiError(f"tool_choice {req.tool_choice!r} already fixes the answer's form; leave {field} unset",
+                       param=field)
+    if tool_grammar:
+        return tool_grammar
     if schema is None:
         return ""
     import llguidance

@@ -8,7 +8,8 @@ import msgspec
 from aiohttp import web
 
 from pipeline.proxy.api_types import ApiError, ChatMessage, decode_json
-from pipeline.proxy.requests import ModelInfo, plain_messages
+from pipeline.proxy.requests import ModelInfo, check_template_takes, plain_messages
+from pipeline.proxy.tools import tool_request
 
 
 class TokenizeRequest(msgspec.Struct):
@@ -17,6 +18,7 @@ class TokenizeRequest(msgspec.Struct):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True      # accepted; our tokenizers add none to plain text
     add_generation_prompt: bool = True
+    tools: list | None = None            # function definitions for the chat template
 
 
 class DetokenizeRequest(msgspec.Struct):
@@ -48,7 +50,10 @@ def tokenize_handler(model: ModelInfo):
             if media:
                 raise ApiError("/tokenize takes text messages only (no image_url or video_url parts)",
                                param="messages")
-            text = model.processor.template.render(messages, add_generation_prompt=req.add_generation_prompt)
+            tools = tool_request(req)
+            check_template_takes(model.processor.template, tools, messages)
+            text = model.processor.template.render(messages, add_generation_prompt=req.add_generation_prompt,
+                                                   tools=tools.template_tools)
             tokens = model.processor.tokenizer.encode(text)
         return web.json_response({"count": len(tokens), "max_model_len": model.max_context, "tokens": tokens})
 

@@ -1,0 +1,32 @@
+"""One log line per finished request: its id (the X-Request-Id value), how
+it ended, its tokens, and where its time went (time to first token and end
+to end, from its arrival here; queued, prefill and decode, at its generator),
+with the same as JSON fields under --log-format json (pipeline/logs.py)."""
+
+from __future__ import annotations
+
+import logging
+
+from pipeline import protocol
+
+log = logging.getLogger("epd.requests")
+
+
+def log_finished(flight, delta: protocol.TokenDelta, now: float) -> None:
+    """`flight`: the dispatcher's Flight of the request, `now` its end (time.monotonic())."""
+    work = flight.work
+    fields = {"request_id": work.client_id or work.request.request_id, "internal_id": work.request.request_id,
+              "status": "error" if delta.error else delta.finish_reason, "prompt_tokens": delta.prompt_tokens,
+              "completion_tokens": flight.tokens, "e2e_s": round(now - flight.created, 4),
+              "generator": flight.generator, "attempts": flight.attempt + 1}
+    if flight.first_token_at is not None:
+        fields["ttft_s"] = round(flight.first_token_at - flight.created, 4)
+    if len(delta.phases) == 3:
+        fields.update(zip(("queue_s", "prefill_s", "decode_s"), (round(s, 4) for s in delta.phases)))
+    if delta.error:
+        fields.update(http_status=delta.status, error=delta.error)
+    text = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("request_id", "error"))
+    message = f"request {fields['request_id']} finished: {text}"
+    if delta.error:
+        message += f": {delta.error}"
+    log.info(message, extra={"fields": fields})
