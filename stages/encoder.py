@@ -26,6 +26,7 @@ from pipeline.arena.store import ArenaStore
 from pipeline.arg_parser import OneLineParser
 from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.encoder.service import EncoderService, EncoderSettings
+from pipeline.logs import add_log_flags, setup_logging
 from pipeline.media.registry import create_backend, create_video_backend
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config, resolve_device
@@ -68,6 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lease-timeout", type=float, default=30.0, help="seconds without heartbeat")
     p.add_argument("--decode-threads", type=int, default=4)
     p.add_argument("--announce-to", action="append", default=[], help="inbox to announce to; repeatable")
+    add_log_flags(p)
     args = p.parse_args(argv)
     for name in ("arena_mib", "block_kib", "max_batch_tokens", "decode_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -154,8 +156,8 @@ async def _until_stopped(*work) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging(args.log_level, args.log_format)
     transport.install_event_loop()
     try:
         asyncio.run(serve(args))

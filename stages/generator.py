@@ -33,6 +33,7 @@ from pipeline.generator.internal import AskerRestarted, DecodeSkips, prepare_unl
 from pipeline.generator.media_budget import HeldBytes
 from pipeline.generator.service import GeneratorService
 from pipeline.incarnations import Incarnations
+from pipeline.logs import add_log_flags, setup_logging
 from pipeline.media.registry import create_backend, create_video_backend
 from pipeline.media.video_backend import VideoClip
 from pipeline.media.video_probe import VideoDecodeError
@@ -108,6 +109,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--eager-mixed", action="store_true",
                    help="CUDA: run mixed prefill/decode steps eagerly, not through the fused kernels and "
                         "CUDA graphs (the default wherever decode runs them)")
+    add_log_flags(p)
     args = p.parse_args(argv)
     for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "encoder_cache_tokens",
                  "local_encode_tokens", "media_decode_workers", "media_budget_mib"):
@@ -264,8 +266,8 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging(args.log_level, args.log_format)
     ctx = zmq.Context()
     try:
         # Bound before the model loads: a taken address fails in a second,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from aiohttp import web
 from pipeline import transport
 from pipeline.arg_parser import OneLineParser
 from pipeline.hashing import media_salt
+from pipeline.logs import add_log_flags, setup_logging
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config
 from pipeline.models.tiny import default_model_dir
@@ -82,6 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "refused meanwhile")
     p.add_argument("--stage-timeout", type=float, default=3.0,
                    help="seconds without a stage's stats reply before it counts as down and its requests move")
+    add_log_flags(p)
     args = p.parse_args(argv)
     args.encoders, args.generators = _addresses(args.encoders), _addresses(args.generators)
     if not args.generators:
@@ -129,8 +130,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging(args.log_level, args.log_format)
     transport.install_event_loop()
     try:
         app = build_app(args)

@@ -25,6 +25,7 @@ from pipeline.launch.plan import (
     plan_gpus, plan_stages, uses_cuda)
 from pipeline.launch.supervisor import SupervisorConfig, run_supervisor
 from pipeline.launch.systemd_units import write_units
+from pipeline.logs import FORMATS, LEVELS
 from pipeline.models.shape_configs import SHAPES  # torch-free
 
 
@@ -83,6 +84,8 @@ def build_parser() -> OneLineParser:
     api.add_argument("--served-model-name", nargs="+", metavar="NAME", help="names clients may ask for")
     api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $EPD_API_KEY; none)")
     api.add_argument("--allowed-origins", metavar="JSON", help='CORS origins, a JSON list (default: ["*"])')
+    p.add_argument("--log-level", choices=LEVELS, help="every stage's (default: info)")
+    p.add_argument("--log-format", choices=FORMATS, help="every stage's: text (default) or json lines")
     p.add_argument("--write-systemd", type=Path, metavar="DIR",
                    help="write the box's systemd units and config file (these flags) into DIR, then exit")
     p.add_argument("--log-dir", type=Path, metavar="DIR",
@@ -172,6 +175,9 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
     for name in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) is not None:
             out.append(("generator", f"--{name.replace('_', '-')}={getattr(args, name)}"))
+    for name in ("log_level", "log_format"):
+        if getattr(args, name) is not None:
+            out += [(role, f"--{name.replace('_', '-')}={getattr(args, name)}") for role in ROLES]
     if args.limit_mm_per_prompt is not None:
         out.append(("proxy", f"--max-images={sum(args.limit_mm_per_prompt.values())}"))
     if args.served_model_name:   # nargs="+" on the proxy: one flag, then every name

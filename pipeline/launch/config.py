@@ -59,6 +59,8 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     max_num_batched_tokens: int | None = None
     limit_mm_per_prompt: dict[str, int] | None = None
     log_dir: str | None = None
+    log_level: Literal["debug", "info", "warning", "error"] | None = None
+    log_format: Literal["text", "json"] | None = None
     stage_arg: list[str] | None = None
     ready_timeout: float | None = None
     drain_timeout: float | None = None

@@ -1,0 +1,41 @@
+"""The proxy's line per finished request, as JSON (--log-format json): the
+client's X-Request-Id, how it ended, its tokens and where its time went;
+and stages that take --log-level (real processes on the tiny model)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from e2e_helpers import chat_messages, serving
+from stack import Stack
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory, tiny_dir):
+    yield from serving(Stack(tmp_path_factory.mktemp("logged"), tiny_dir, encoders=1, generators=1,
+                             proxy_args=("--log-format", "json"), generator_args=("--log-level", "warning")))
+
+
+def test_a_finished_request_is_one_json_line_with_its_id_tokens_and_phases(logged):
+    r = httpx.post(logged.base_url + "/v1/chat/completions", timeout=60, headers={"X-Request-Id": "client-id-42"},
+                   json={"model": "tiny", "messages": chat_messages([], "log me"), "max_tokens": 5,
+                         "ignore_eos": True})
+    assert r.status_code == 200 and r.headers["X-Request-Id"] == "client-id-42"
+    assert logged.wait_for_log('"request_id": "client-id-42"')
+    line, = [json.loads(text) for text in logged.whole_log().splitlines()
+             if text.startswith("{") and '"request_id": "client-id-42"' in text]
+    assert line["logger"] == "epd.requests" and line["level"] == "info"
+    assert line["status"] == "length" and line["completion_tokens"] == 5 and line["prompt_tokens"] > 0
+    assert 0 <= line["ttft_s"] <= line["e2e_s"]
+    assert all(line[phase] >= 0 for phase in ("queue_s", "prefill_s", "decode_s"))
+    assert line["queue_s"] + line["prefill_s"] + line["decode_s"] <= line["e2e_s"]
+    assert "client-id-42 finished: " in line["message"]
+
+    bad = httpx.post(logged.base_url + "/v1/chat/completions", timeout=60, headers={"X-Request-Id": "client-id-43"},
+                     json={"model": "tiny", "messages": chat_messages([], "x"), "max_tokens": 5, "temperature": -1})
+    assert bad.status_code == 400            # refused before it was sent on: no line, nothing finished
+    # The generator ran at --log-level warning: none of its info lines (its "ready" line) are in the log.
+    assert "epd.generator INFO" not in logged.whole_log()
