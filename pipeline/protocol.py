@@ -12,8 +12,13 @@ Tensors never ride in a message: an `ArenaHandle` says where they are.
 from __future__ import annotations
 
 import uuid
+from typing import Annotated
 
 import msgspec
+
+# A count that is never negative: a negative one from a broken or hostile peer
+# is refused at decode (it would shrink the encoder's batch totals).
+Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class _Msg(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False,
@@ -67,7 +72,7 @@ class EncodeJob(_Msg, tag="encode"):
     content_hash: str
     media: bytes
     consumer: str            # inbox address of the generator that needs it
-    expected_tokens: int
+    expected_tokens: Count
     reply_to: str = ""       # inbox of the sender, for failures (the proxy)
     modality: str = "image"  # or "video"
     # A video's sampling asked for by the request (VideoOptions); part of its hash's salt.

@@ -163,7 +163,7 @@ class Outbox:
         try:
             self.send(address, message)
             return True
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, ValueError) as exc:   # ValueError: no socket address at all (from a peer's message)
             log.warning("cannot send %s to %s: %s", type(message).__name__, address, exc)
             return False
 

@@ -137,7 +137,11 @@ async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: trans
 
 async def _receive(inbox: transport.Inbox, service: EncoderService) -> None:
     while True:
-        service.handle(await inbox.recv())
+        message = await inbox.recv()
+        try:
+            service.handle(message)
+        except Exception:   # one peer's odd message must not stop the encoder for every other
+            log.exception("handling a %s failed", type(message).__name__)
 
 
 async def _until_stopped(*work) -> None:

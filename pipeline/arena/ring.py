@@ -25,12 +25,15 @@ dead consumer's ring is never written to for long).
 
 from __future__ import annotations
 
+import logging
 import platform
 import socket
 import threading
 import time
 
 from pipeline.arena.shm import ShmSegment, is_segment_name, remove_stale_segments, segment_name
+
+log = logging.getLogger("epd.ring")
 
 _HEADER = 256
 # int64 indices into the header, one 64-byte line per writer's field group.
@@ -137,10 +140,16 @@ class Consumer(_Ring):
         `stale_s` while messages are wanted here."""
         self._header[_ALIVE] = time.monotonic_ns()
         written, read = self._header[_WRITTEN], self._header[_READ]
+        if not 0 <= written - read <= self.slots:
+            # A producer never runs more than a ring ahead: this one is broken. Its
+            # messages are lost (their requests time out); stale slots are never served.
+            log.warning("ring %s: producer count %d against %d read; skipped", self.segment.name, written, read)
+            self._header[_READ] = written
+            return []
         out = []
         for seq in range(read, written):
             start = self._slot(seq)
-            length = int.from_bytes(self._view[start:start + _LENGTH], "little")
+            length = min(int.from_bytes(self._view[start:start + _LENGTH], "little"), self.slot_bytes - _LENGTH)
             out.append(bytes(self._view[start + _LENGTH:start + _LENGTH + length]))
         if written != read:
             self._header[_READ] = written     # frees the slots (after we copied them out)

@@ -79,7 +79,9 @@ def _as_bytes(data: bytes) -> bytes:
 def _open(data: bytes) -> av.container.InputContainer:
     data = _as_bytes(data)
     try:
-        container = av.open(io.BytesIO(data), mode="r")
+        # Metadata is never used here; a tag that is not UTF-8 must not fail the
+        # open with UnicodeDecodeError (PyAV decodes every tag strictly by default).
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="replace")
     except av.FFmpegError as exc:
         raise VideoDecodeError(f"not a readable video ({len(data)} bytes; truncated or not a video): "
                                f"{exc.strerror or exc}") from None
@@ -95,6 +97,8 @@ def _video_stream(container: av.container.InputContainer) -> av.video.stream.Vid
     if not container.streams.video:
         raise VideoDecodeError("the container has no video stream (no frames?)")
     stream = container.streams.video[0]
+    if stream.codec_context is None:   # a codec id FFmpeg has no decoder for (or none at all)
+        raise VideoDecodeError(f"the video stream's codec is unknown; supported: {', '.join(ALLOWED_CODECS)}")
     codec = stream.codec_context.name
     if codec not in ALLOWED_CODECS:
         raise VideoDecodeError(f"unsupported video codec {codec!r}; supported: {', '.join(ALLOWED_CODECS)}")
