@@ -76,6 +76,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds for one http(s) media fetch, redirects included")
     p.add_argument("--max-image-bytes", type=int, default=20 << 20)
     p.add_argument("--max-images", type=int, default=16, help="images per request")
+    p.add_argument("--max-model-len", type=int, metavar="N",
+                   help="prompt plus output tokens a request may have (default, and at most: the checkpoint's)")
     p.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight before 503")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds the requests in flight get to finish; new connections are "
@@ -114,7 +116,10 @@ def build_app(args: argparse.Namespace) -> web.Application:
     spec = family.spec(config)
     processor = Processor.from_checkpoint(model_dir, spec.image_token_id, video_tokens_of(spec))
     model_id = args.model_id or Path(model_dir).name
-    model = ModelInfo(model_id, processor, spec.language.max_context,
+    if args.max_model_len is not None and not 1 <= args.max_model_len <= spec.language.max_context:
+        raise ValueError(f"--max-model-len {args.max_model_len}: this checkpoint takes 1 to "
+                         f"{spec.language.max_context} tokens")
+    model = ModelInfo(model_id, processor, args.max_model_len or spec.language.max_context,
                       media_salt(model_id, processor.image_config.settings_key()),
                       aggregated=args.mode == "aggregated", max_images=args.max_images,
                       served_names=tuple(args.served_model_name or ()),

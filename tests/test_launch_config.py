@@ -89,14 +89,16 @@ def test_the_engine_flags_parse_in_the_generator_and_the_proxy(tiny_dir):
     from stages.generator import parse_args as generator_args
     from stages.proxy import parse_args as proxy_args
 
-    args = cli.parse_args(["--model", str(tiny_dir), "--device", "cpu", "--gpu-memory-utilization", "0.7", "--max-num-seqs", "8", "--max-num-batched-tokens",
+    args = cli.parse_args(["--model", str(tiny_dir), "--device", "cpu", "--max-model-len", "1024",
+                           "--gpu-memory-utilization", "0.7", "--max-num-seqs", "8", "--max-num-batched-tokens",
                            "4096", "--limit-mm-per-prompt", '{"image": 2}'])
     specs = plan_stages(cli.build_options(args), HostFacts(gpu_count=0))
     generator = next(s for s in specs if s.role == "generator")
     parsed = generator_args(list(generator.args))
     assert (parsed.gpu_memory_utilization, parsed.max_num_seqs, parsed.max_num_batched_tokens) == (0.7, 8, 4096)
     proxy = next(s for s in specs if s.role == "proxy")
-    assert proxy_args(list(proxy.args)).max_images == 2
+    parsed = proxy_args(list(proxy.args))
+    assert parsed.max_images == 2 and parsed.max_model_len == 1024
 
 
 def test_a_file_of_every_key_round_trips():

@@ -1,6 +1,7 @@
-"""The proxy's line per finished request, as JSON (--log-format json): the
-client's X-Request-Id, how it ended, its tokens and where its time went;
-and stages that take --log-level (real processes on the tiny model)."""
+"""Operating flags on a real stack (the tiny model): the proxy's line per
+finished request as JSON (--log-format json: the client's X-Request-Id, how
+it ended, its tokens and where its time went), stages that take
+--log-level, and --max-model-len."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from stack import Stack
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory, tiny_dir):
     yield from serving(Stack(tmp_path_factory.mktemp("logged"), tiny_dir, encoders=1, generators=1,
-                             proxy_args=("--log-format", "json"), generator_args=("--log-level", "warning")))
+                             proxy_args=("--log-format", "json", "--max-model-len", "300"),
+                             generator_args=("--log-level", "warning")))
 
 
 def test_a_finished_request_is_one_json_line_with_its_id_tokens_and_phases(logged):
@@ -39,3 +41,14 @@ def test_a_finished_request_is_one_json_line_with_its_id_tokens_and_phases(logge
     assert bad.status_code == 400            # refused before it was sent on: no line, nothing finished
     # The generator ran at --log-level warning: none of its info lines (its "ready" line) are in the log.
     assert "epd.generator INFO" not in logged.whole_log()
+
+
+def test_max_model_len_bounds_prompt_and_output(logged):
+    models = httpx.get(logged.base_url + "/v1/models", timeout=10).json()
+    assert models["data"][0]["max_model_len"] == 300
+    long = httpx.post(logged.base_url + "/v1/chat/completions", timeout=60,
+                      json={"model": "tiny", "messages": chat_messages([], "word " * 200), "max_tokens": 200})
+    assert long.status_code == 400 and "maximum context length is 300 tokens" in long.json()["error"]["message"]
+    fits = httpx.post(logged.base_url + "/v1/chat/completions", timeout=60,
+                      json={"model": "tiny", "messages": chat_messages([], "short"), "max_tokens": 8})
+    assert fits.status_code == 200

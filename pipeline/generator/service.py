@@ -34,8 +34,8 @@ from pipeline.generator.early_arrivals import EarlyArrivals
 from pipeline.generator.internal import AskerRestarted, PreparedRequest
 from pipeline.generator.key_sources import KeySources
 from pipeline.generator.parking import ParkedEmbeddings
-from pipeline.generator.stats import generator_stats
 from pipeline.generator.recent_ids import RecentIds
+from pipeline.generator.stats import generator_stats
 from pipeline.processing.processor import MultimodalPrompt
 
 log = logging.getLogger("epd.generator")

@@ -77,6 +77,9 @@ def build_parser() -> OneLineParser:
                         help="share of each GPU a generator may use (default 0.9 alone, split where stages share)")
     engine.add_argument("--max-num-seqs", type=int, metavar="N", help="requests a generator runs at once")
     engine.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens a step may compute")
+    engine.add_argument("--max-model-len", type=int, metavar="N",
+                        help="prompt plus output tokens a request may have (the proxy refuses more; default: the "
+                        "checkpoint's)")
     engine.add_argument("--limit-mm-per-prompt", type=_mm_limits, metavar="JSON",
                         help='e.g. \'{"image": 4, "video": 1}\': the proxy refuses a request with more media; '
                         "our limit is one count over images and videos together (their sum)")
@@ -178,6 +181,8 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
     for name in ("log_level", "log_format"):
         if getattr(args, name) is not None:
             out += [(role, f"--{name.replace('_', '-')}={getattr(args, name)}") for role in ROLES]
+    if args.max_model_len is not None:
+        out.append(("proxy", f"--max-model-len={args.max_model_len}"))
     if args.limit_mm_per_prompt is not None:
         out.append(("proxy", f"--max-images={sum(args.limit_mm_per_prompt.values())}"))
     if args.served_model_name:   # nargs="+" on the proxy: one flag, then every name

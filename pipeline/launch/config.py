@@ -57,6 +57,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
     limit_mm_per_prompt: dict[str, int] | None = None
     log_dir: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] | None = None
