@@ -76,6 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds for one http(s) media fetch, redirects included")
     p.add_argument("--max-image-bytes", type=int, default=20 << 20)
     p.add_argument("--max-images", type=int, default=16, help="images per request")
+    p.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) instead of the checkpoint's, e.g. "
+                        "one that takes tools for a checkpoint whose own does not")
     p.add_argument("--max-model-len", type=int, metavar="N",
                    help="prompt plus output tokens a request may have (default, and at most: the checkpoint's)")
     p.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight before 503")
@@ -110,11 +113,25 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def chat_template_arg(value: str | None) -> str | None:
+    """--chat-template's template: the value itself when it is one, else the
+    text of the file it names (vllm serve takes either)."""
+    if value is None:
+        return None
+    if "{" in value or "\n" in value:
+        return value   # a template itself (a path to one has neither)
+    try:
+        return Path(value).read_text()
+    except OSError as exc:
+        raise ValueError(f"--chat-template {value}: {exc.strerror or exc}") from None
+
+
 def build_app(args: argparse.Namespace) -> web.Application:
     model_dir = args.model or default_model_dir()
     family, config = load_config(model_dir)
     spec = family.spec(config)
-    processor = Processor.from_checkpoint(model_dir, spec.image_token_id, video_tokens_of(spec))
+    processor = Processor.from_checkpoint(model_dir, spec.image_token_id, video_tokens_of(spec),
+                                          chat_template_arg(args.chat_template))
     model_id = args.model_id or Path(model_dir).name
     if args.max_model_len is not None and not 1 <= args.max_model_len <= spec.language.max_context:
         raise ValueError(f"--max-model-len {args.max_model_len}: this checkpoint takes 1 to "

@@ -254,3 +254,27 @@ def test_generation_config_defaults_apply_to_unset_fields_only(tiny_dir, tmp_pat
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 0.5}))
     with pytest.raises(ValueError, match="top_k must be an integer"):
         sampling_defaults(str(tmp_path), tiny_dir)
+
+
+def test_chat_template_gives_a_checkpoint_without_tools_a_template_that_takes_them(tiny_dir, tmp_path):
+    """The tiny checkpoint's own template reads no tools (a 400); with
+    --chat-template (a file, or the template itself), the same request renders."""
+    from tool_templates import QWEN3_VL_TOOLS
+
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "what time is it"}], "tools": tools}
+
+    async def refused(client, app):
+        r = await client.post("/tokenize", json=body)
+        assert r.status == 400 and "takes no tools" in (await r.json())["error"]["message"]
+
+    async def rendered(client, app):
+        r = await client.post("/tokenize", json=body)
+        assert r.status == 200, await r.text()
+        assert (await r.json())["count"] > 20    # the tools' definitions are in the prompt
+
+    serve(tiny_dir, tmp_path, scenario=refused)
+    template = tmp_path / "tools.jinja"
+    template.write_text(QWEN3_VL_TOOLS)
+    serve(tiny_dir, tmp_path, "--chat-template", str(template), scenario=rendered)
+    serve(tiny_dir, tmp_path, "--chat-template", QWEN3_VL_TOOLS, scenario=rendered)

@@ -85,6 +85,8 @@ def build_parser() -> OneLineParser:
                         "our limit is one count over images and videos together (their sum)")
     api = p.add_argument_group("the OpenAI API (passed to the proxy; see python3 -m stages.proxy --help)")
     api.add_argument("--served-model-name", nargs="+", metavar="NAME", help="names clients may ask for")
+    api.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                     help="a Jinja chat template instead of the checkpoint's (a file is passed as its path)")
     api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $EPD_API_KEY; none)")
     api.add_argument("--allowed-origins", metavar="JSON", help='CORS origins, a JSON list (default: ["*"])')
     p.add_argument("--log-level", choices=LEVELS, help="every stage's (default: info)")
@@ -189,6 +191,11 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
         out += [("proxy", "--served-model-name"), *(("proxy", name) for name in args.served_model_name)]
     if args.api_key:
         out.append(("proxy", f"--api-key={args.api_key}"))
+    if args.chat_template:
+        value = args.chat_template
+        if "{" not in value and "\n" not in value:
+            value = str(Path(value).resolve())   # a file: the proxy's working folder may differ
+        out.append(("proxy", f"--chat-template={value}"))
     if args.allowed_origins:
         out.append(("proxy", f"--allowed-origins={args.allowed_origins}"))
     return tuple(out)

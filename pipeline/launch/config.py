@@ -53,6 +53,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     slo_tpot_ms: float | None = None
     served_model_name: list[str] | str | None = None
     api_key: str | None = None
+    chat_template: str | None = None
     allowed_origins: list[str] | None = None
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None

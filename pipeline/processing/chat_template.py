@@ -216,9 +216,14 @@ class ChatTemplate:
         self._names = {name: _names_read(env.parse(source)) for name, source in templates.items()}
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str | Path) -> ChatTemplate:
+    def from_checkpoint(cls, model_dir: str | Path, override: str | None = None) -> ChatTemplate:
+        """`override`: a template (its Jinja source) used instead of the
+        checkpoint's own, as `vllm serve --chat-template` takes one."""
         model_dir = Path(model_dir)
-        templates, origin = load_chat_templates(model_dir)
+        if override is not None:
+            templates, origin = {"default": override}, "--chat-template"
+        else:
+            templates, origin = load_chat_templates(model_dir)
         config = read_tokenizer_config(model_dir)
         special_tokens = named_special_tokens(config, model_dir / TOKENIZER_CONFIG_FILE)
         return cls(templates, special_tokens, origin)

@@ -65,9 +65,11 @@ class Processor:
         self.video_config = video_config
 
     @classmethod
-    def from_checkpoint(cls, model_dir: Path, image_token_id: int, video: VideoTokens | None = None) -> Processor:
-        """`video`: the model's video tokens (media_prompt.video_tokens_of); None: images only."""
-        return cls(Tokenizer.from_checkpoint(model_dir), ChatTemplate.from_checkpoint(model_dir),
+    def from_checkpoint(cls, model_dir: Path, image_token_id: int, video: VideoTokens | None = None,
+                        chat_template: str | None = None) -> Processor:
+        """`video`: the model's video tokens (media_prompt.video_tokens_of); None: images only.
+        `chat_template`: a template's source to use instead of the checkpoint's."""
+        return cls(Tokenizer.from_checkpoint(model_dir), ChatTemplate.from_checkpoint(model_dir, chat_template),
                    ImageProcessorConfig.from_checkpoint(model_dir), image_token_id, video,
                    video_config_of(model_dir, video))
 
