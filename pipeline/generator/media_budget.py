@@ -4,7 +4,7 @@ A decoded clip is hundreds of MB of pixel values (8 s of 1280x720 video at
 2 frames a second: 173 MB in float32), and the receiver's workers decode as
 fast as requests come. Under overload the decoded backlog grew until the
 GPU ran out of memory and the generator died with every request it held
-(measured on an H200, Qwen3-VL-4B shape, 1.6 video requests a second).
+(measured on an H200 at 1.6 video requests a second: docs/benchmarks.md).
 
 So a worker waits, after decoding, until what the generator holds plus its
 own fits the budget; requests behind it wait as their compressed bytes.

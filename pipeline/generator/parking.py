@@ -3,8 +3,8 @@ room for them.
 
 A generator copies an announced embedding onto its own device at once, and
 what its encoder cache cannot take yet waits there as pending. Unbounded,
-that waiting grew under overload (an 8 s clip's embedding is 138 MB with
-Qwen3-VL's DeepStack rows) until the device ran out of memory and the
+that waiting grew under overload (an 8 s clip's embedding is 138 MB with a
+wide model's side rows) until the device ran out of memory and the
 generator died with every request it held (measured on an H200).
 
 So an announcement past the budget is parked instead: its lease is kept, the

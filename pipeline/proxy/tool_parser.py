@@ -1,4 +1,4 @@
-"""Tool calls in a model's output, in the Hermes format that Qwen's chat
+"""Tool calls in a model's output, in the Hermes format that tool-aware chat
 templates teach: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
 once or several times, with free text around them (vLLM's `hermes` parser).
 

@@ -2,14 +2,14 @@
 (a 400 naming the field otherwise), as the chat template's `tools`, and as
 the grammar that enforces tool_choice "required" or a named function.
 
-The grammar holds the output to the Hermes format the Qwen templates teach,
+The grammar holds the output to the Hermes format that tool-aware chat templates teach,
 as the template writes a call, so the model is asked for what it was trained
 on: `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, the
 arguments following that tool's `parameters` schema, with the separators of
 the template's `tojson` (", " and ": "). "required": one or more calls (one
 with parallel_tool_calls false), separated by a newline; a named function:
 exactly one call of it. Where the tokenizer has `<tool_call>` and
-`</tool_call>` as tokens of their own (Qwen's do), the grammar names those
+`</tool_call>` as tokens of their own (real checkpoints' do), the grammar names those
 tokens; where it has not (the tiny test tokenizer), it spells the tags out.
 """
 
@@ -125,7 +125,7 @@ def template_tool_calls(calls, where: str) -> list[dict]:
 
 def tag_tokens_of(tokenizer) -> frozenset[str]:
     """The tool-call tags the tokenizer has as added tokens of their own (as
-    Qwen's do). llguidance reads every added token as a special one, which a
+    real checkpoints' do). llguidance reads every added token as a special one, which a
     plain-text literal never matches: the grammar must name these as tokens."""
     added = {token["content"] for token in json.loads(tokenizer.to_json()).get("added_tokens", ())}
     return frozenset(tag for tag in (START, END) if tag in added)
