@@ -44,6 +44,11 @@ def stages(tiny_dir, tmp_path):
                "--mode", "aggregated", "--media-backend", "pillow", "--kv-cache-mib", "4"], log),
     ]
     yield addr, procs, run / "stages.log"
+    stop(procs, instance, log)
+
+
+def stop(procs, instance: str, log) -> None:
+    """SIGTERM every stage (SIGKILL after 20 s), then remove what they left in /dev/shm."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -303,15 +308,7 @@ def small_cache_stages(tiny_dir, tmp_path):
                "--max-num-seqs", "1"], log),
     ]
     yield addr, tmp_path / "stages.log"
-    for p in procs:
-        p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-    remove_stale_segments(instance)
-    log.close()
+    stop(procs, instance, log)
 
 
 def test_embeddings_past_the_cache_wait_in_the_arena_and_every_request_completes(small_cache_stages, tiny_dir):

@@ -298,8 +298,7 @@ class EncoderService:
                         self._deliver(job, entry, dedup=i > 0)
 
     def _reserve(self, batch: list[_Decoded]) -> tuple[list[tuple[_Decoded, Entry]], list[_Decoded]]:
-        """(the items given arena room, those that wait for it: the first
-        without room and every item after it, in order)."""
+        """(the items given arena room, those that wait for it: the first without room and all after it)."""
         reserved = []
         for i, item in enumerate(batch):
             shape = (item.tokens, self.tower.out_dim)
