@@ -88,10 +88,16 @@ def test_ten_concurrent_copies_of_a_new_image_are_encoded_once(epd):
     image = image_bytes(random_image(100, 100, seed=4242))
     time.sleep(1.5)  # stats are polled: the earlier tests' encodes are counted before `before`
     before = epd.total("epd_encoder_jobs_total", outcome="encoded")
+    before_dedup = epd.total("epd_encoder_jobs_total", outcome="dedup")
     with ThreadPoolExecutor(10) as pool:
         results = list(pool.map(lambda i: chat(epd, [image], f"same image {i}", max_tokens=4), range(10)))
-    assert len(results) == 10
-    time.sleep(1.5)  # stats are polled
+    assert [usage.completion_tokens for _, _, usage in results] == [4] * 10
+    # Stats are polled: wait until the encoder's counts show all ten jobs, then only one was encoded.
+    deadline = time.monotonic() + 10
+    while (epd.total("epd_encoder_jobs_total", outcome="encoded") - before
+           + epd.total("epd_encoder_jobs_total", outcome="dedup") - before_dedup) < 10:
+        assert time.monotonic() < deadline, "the encoder's counts never showed the ten jobs"
+        time.sleep(0.05)
     assert epd.total("epd_encoder_jobs_total", outcome="encoded") - before == 1
 
 
