@@ -24,6 +24,7 @@ from pipeline.logs import add_log_flags, setup_logging
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config
 from pipeline.models.tiny import default_model_dir
+from pipeline.processing.chat_template import is_template_text
 from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import Processor
 from pipeline.proxy.access import AccessPolicy
@@ -118,8 +119,8 @@ def chat_template_arg(value: str | None) -> str | None:
     text of the file it names (vllm serve takes either)."""
     if value is None:
         return None
-    if "{" in value or "\n" in value:
-        return value   # a template itself (a path to one has neither)
+    if is_template_text(value):
+        return value
     try:
         return Path(value).read_text()
     except OSError as exc:

@@ -26,6 +26,7 @@ from pipeline.launch.plan import (
 from pipeline.launch.supervisor import SupervisorConfig, run_supervisor
 from pipeline.launch.systemd_units import write_units
 from pipeline.logs import FORMATS, LEVELS
+from pipeline.processing.chat_template import is_template_text
 from pipeline.models.shape_configs import SHAPES  # torch-free
 
 
@@ -193,7 +194,7 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
         out.append(("proxy", f"--api-key={args.api_key}"))
     if args.chat_template:
         value = args.chat_template
-        if "{" not in value and "\n" not in value:
+        if not is_template_text(value):
             value = str(Path(value).resolve())   # a file: the proxy's working folder may differ
         out.append(("proxy", f"--chat-template={value}"))
     if args.allowed_origins:

@@ -198,6 +198,12 @@ def _names_read(tree: nodes.Template) -> frozenset[str]:
     return frozenset(names)
 
 
+def is_template_text(value: str) -> bool:
+    """Whether a --chat-template value is a template itself rather than the
+    path of a file holding one (a path has neither braces nor newlines)."""
+    return "{" in value or "\n" in value
+
+
 class ChatTemplate:
     """A checkpoint's compiled chat template(s); render() is safe to call concurrently."""
 
