@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.arg_parser import OneLineParser
-from pipeline.bench.client import BenchError, bench_runner, run_sweep
+from pipeline.bench.client import ArrivalSpan, BenchError, bench_runner, run_sweep
 from pipeline.bench.dataset import RandomMMConfig, parse_bucket_config
 from pipeline.bench.metrics import parse_goodput
 from pipeline.bench.search import (CRITERIA, DEFAULT_STEP_S, DEFAULT_TARGET, DEFAULT_WARMUP_S, SearchSettings,
@@ -83,8 +83,9 @@ def build_parser() -> OneLineParser:
                    "(default 0.9, DistServe's SLO attainment)")
     p.add_argument("--search-steps", type=int, default=6, help="search: most steps")
     p.add_argument("--search-step-s", type=float, default=DEFAULT_STEP_S, metavar="S",
-                   help=f"search: seconds of arrivals per step, so a step sends rate*S requests (at least "
-                   f"{MIN_STEP_PROMPTS}, at most --num-prompts if given; default {DEFAULT_STEP_S:g})")
+                   help=f"search: seconds of arrivals per step: a step sends the requests that arrive within S "
+                   f"(about rate*S; at least {MIN_STEP_PROMPTS}, at most --num-prompts if given; "
+                   f"default {DEFAULT_STEP_S:g})")
     p.add_argument("--search-budget-s", type=float, metavar="S",
                    help="search: start no step that would likely end after S seconds")
     p.add_argument("--search-resolution", type=float, default=0.05, help="search: stop at HIGH/LOW <= 1+this")
@@ -131,12 +132,6 @@ def fixed_rate_window(args: argparse.Namespace) -> WindowSpec:
     return WindowSpec(0.0 if args.warmup_s is None else args.warmup_s, args.sustained_fraction)
 
 
-def step_prompts(rate: float, step_s: float, cap: int | None) -> int:
-    """Requests in a search step: rate * step_s, at least MIN_STEP_PROMPTS, at most `cap` if given."""
-    count = max(MIN_STEP_PROMPTS, round(rate * step_s))
-    return count if cap is None else min(cap, count)
-
-
 def search_outcome(found: dict) -> str:
     if found["max_request_rate"] is None:
         return (f"epd-bench: no step passed (the maximum lies below {found['search']['low']:g} req/s, "
@@ -172,7 +167,7 @@ async def run_search(args: argparse.Namespace, dataset: RandomMMConfig, slos: di
                             args.seed, slos, not args.no_progress, window=settings.window(),
                             stop=settings.stop(), save_detailed=args.save_detailed) as runner:
         async def measure(rate: float, index: int) -> dict:
-            return await runner.measure(rate, index, step_prompts(rate, settings.step_s, args.num_prompts))
+            return await runner.measure(rate, index, ArrivalSpan(settings.step_s, MIN_STEP_PROMPTS, args.num_prompts))
 
         return await search_max_goodput(measure, settings, on_step)
 

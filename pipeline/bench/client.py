@@ -18,13 +18,13 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import aiohttp
 
 import numpy as np
 
-from pipeline.bench.dataset import BenchRequest, RandomMMConfig, arrival_offsets, sample_requests
+from pipeline.bench.dataset import BenchRequest, RandomMMConfig, arrival_offsets, arrivals_within, sample_requests
 from pipeline.bench.metrics import RequestRecord, by_class, detailed, summarize
 from pipeline.bench.stop import CANCELLED, StopRule, next_check_at, stop_reason
 from pipeline.bench.window import WindowSpec, window_summary
@@ -242,6 +242,15 @@ async def _cancel_rest(tasks: list[asyncio.Task], requests: list[BenchRequest], 
     return records
 
 
+@dataclass(frozen=True)
+class ArrivalSpan:
+    """A search step's arrivals: all those within `seconds`, but at least
+    `least` and at most `most` requests."""
+    seconds: float
+    least: int
+    most: int | None = None
+
+
 class BenchRunner:
     """One HTTP session and model for many runs: a sweep's rates or a search's
     steps. `window` sets how each run's sustained rates are measured; `stop`
@@ -256,18 +265,23 @@ class BenchRunner:
         self.slos, self.show_progress = slos, show_progress
         self.window, self.stop, self.save_detailed = window, stop, save_detailed
 
-    async def measure(self, rate: float, index: int, num_prompts: int | None = None) -> dict:
-        """One run at `rate`. Run `index` uses seed + index, so later runs see
-        different text and images and do not measure caches warmed earlier."""
-        dataset = self.dataset if num_prompts is None else replace(self.dataset, num_prompts=num_prompts)
+    async def measure(self, rate: float, index: int, span: ArrivalSpan | None = None) -> dict:
+        """One run at `rate`: the dataset's count of requests, or as many as
+        arrive within `span` (a search step). Run `index` uses seed + index, so
+        later runs see different text and images and do not measure caches
+        warmed earlier."""
         rng = np.random.default_rng(self.seed + index)
-        requests = sample_requests(dataset, rng)
-        offsets = arrival_offsets(len(requests), rate, self.burstiness, rng).tolist()
+        if span is None:
+            requests = sample_requests(self.dataset, rng)
+            offsets = arrival_offsets(len(requests), rate, self.burstiness, rng).tolist()
+        else:
+            offsets = arrivals_within(span.seconds, rate, self.burstiness, rng, span.least, span.most).tolist()
+            requests = sample_requests(replace(self.dataset, num_prompts=len(offsets)), rng)
         progress = Progress(f"rate {rate:g}", len(requests), self.show_progress)
         records, duration = await run_load(self.session, self.base_url, self.model, requests, offsets,
                                            self.max_concurrency, progress, self.window, self.stop)
         result = summarize(records, duration, self.slos)
-        if dataset.text_only_fraction:
+        if self.dataset.text_only_fraction:
             result["by_class"] = by_class(records)   # not a vLLM key
         # Not vLLM keys: the measurement window's rates and SLO figures (window.py).
         result.update(window_summary(records, self.window, self.slos, burst=math.isinf(rate)))

@@ -231,3 +231,25 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Gener
         return np.zeros(n)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)
     return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def arrivals_within(span_s: float, rate: float, burstiness: float, rng: np.random.Generator,
+                    least: int, most: int | None = None) -> np.ndarray:
+    """Send times of the arrivals that fall in [0, span_s), as arrival_offsets
+    draws them, but at least `least` and at most `most` of them.
+
+    A search step is a length of time, not a count: a fixed count of Poisson
+    arrivals at 1.7 req/s can end 10 s early or late in a 40 s step, which
+    leaves a window after the warm-up far shorter (or longer) than the step
+    promises. Drawn this way, the count varies and the span does not.
+    """
+    if not span_s > 0 or math.isinf(rate):
+        raise ValueError("a span of arrivals needs span_s > 0 and a finite rate")
+    expected = rate * span_s
+    drawn = arrival_offsets(max(least, int(expected + 6 * math.sqrt(expected / burstiness) + 16)),
+                            rate, burstiness, rng)
+    while drawn[-1] < span_s:  # a long run of short gaps: draw on from the last arrival
+        more = arrival_offsets(len(drawn) + 1, rate, burstiness, rng)[1:]
+        drawn = np.concatenate([drawn, drawn[-1] + more])
+    count = max(least, int(np.searchsorted(drawn, span_s)))
+    return drawn[:count if most is None else min(most, count)]
