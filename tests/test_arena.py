@@ -172,7 +172,7 @@ def test_segments_are_removed_on_close_and_after_a_crash():
     names = {store.info.generations_name, store.info.data_name}
     assert names <= set(our_segments())
     store.close()
-    assert set(our_segments()) == before
+    assert not [n for n in set(our_segments()) - before if n.startswith("epd-test-close-")]
     # A process that dies without closing leaves its segment; the instance's
     # next incarnation removes it.
     code = ("import os; from pipeline.arena.shm import ShmSegment, segment_name;"
