@@ -12,8 +12,8 @@ logit_bias; greedy + logprobs (top 5); all of them; all of them with a JSON
 grammar mask (json_grammar: every measured step stays constrained); sampling (temperature, top_p, min_p, seeded)
 with all of them. Prints step medians and the ratio to greedy (target:
 <= 1.10 with penalties, logprobs and the JSON mask), then for each setting
-where the time goes: the medians of the forward, the grammar fill, sample()
-and the logprobs, each timed between device syncs in extra steps after the
+where the time goes: the medians of the forward, the grammar fill, the
+sampler, the logprobs and the matchers' consume, each timed between device syncs in extra steps after the
 measured ones (the syncs undo the overlap of the fill with the forward, so
 those steps run longer than the measured ones).
 """
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.engine import engine as engine_module  # noqa: E402
+from pipeline.engine import choose as choose_module  # noqa: E402
 from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
 from pipeline.engine.request import SamplingParams  # noqa: E402
 from pipeline.models.shapes import random_model  # noqa: E402
@@ -112,16 +112,57 @@ def breakdown_ms(engine: Engine, device, steps: int, constrained: bool) -> dict[
 
     with contextlib.ExitStack() as patches:
         patches.enter_context(mock.patch.object(engine.runner, "execute", timed("forward", engine.runner.execute)))
-        patches.enter_context(mock.patch.object(engine_module, "sample", timed("sample", engine_module.sample)))
-        patches.enter_context(mock.patch.object(engine_module, "batch_logprobs",
-                                                timed("logprobs", engine_module.batch_logprobs)))
+        patches.enter_context(mock.patch.object(choose_module, "sample_on_device",
+                                                timed("sample", choose_module.sample_on_device)))
+        patches.enter_context(mock.patch.object(choose_module, "logprob_table",
+                                                timed("logprobs", choose_module.logprob_table)))
         if constrained:
             grammars = engine.grammars()
             patches.enter_context(mock.patch.object(grammars, "fill", timed("grammar_fill", grammars.fill)))
+            patches.enter_context(mock.patch.object(grammars, "consume", timed("grammar_consume", grammars.consume)))
         step = step_ms(engine, device, steps)
     out = {name: float(np.median(values) * 1000) for name, values in times.items()}
     out["rest"] = step - sum(out.values())
     out["synced_step"] = step
+    return out
+
+
+def time_ms(fn, device, repeats: int = 50) -> float:
+    """Median ms of fn() between device syncs."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        started = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - started)
+    return float(np.median(times) * 1000)
+
+
+def pieces_ms(batch: int, vocab: int, device, dtype) -> dict[str, float]:
+    """The replaced pieces against their replacements, side by side: a
+    whole-row top-5 against logprobs.largest, and the bitmask's unpack and
+    fill against kernels/bitmask.py (CUDA only)."""
+    from pipeline.engine.grammar import unpack_bitmask
+    from pipeline.engine.logprobs import largest
+
+    logits = torch.randn(batch, vocab, device=device).to(dtype)
+    out = {"topk5_whole_row": time_ms(lambda: logits.topk(5, dim=-1), device),
+           "topk5_two_stage": time_ms(lambda: largest(logits, 5), device)}
+    words = torch.randint(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32), dtype=torch.int64).to(torch.int32).to(device)
+    scores = logits.float()
+    out["mask_unpack_fill"] = time_ms(lambda: scores.masked_fill_(~unpack_bitmask(words, vocab), float("-inf")), device)
+    want_top = logits.topk(5, dim=-1).values
+    out["two_stage_equal"] = float(torch.equal(largest(logits, 5)[0], want_top))
+    if device.type == "cuda":
+        from pipeline.kernels.bitmask import apply_bitmask
+
+        rows = torch.arange(batch, device=device)
+        out["mask_kernel"] = time_ms(lambda: apply_bitmask(scores, words, rows), device)
+        fresh, reference = logits.float(), logits.float()
+        apply_bitmask(fresh, words, rows)
+        reference.masked_fill_(~unpack_bitmask(words, vocab), float("-inf"))
+        out["mask_kernel_equal"] = float(torch.equal(fresh, reference))
     return out
 
 
@@ -141,6 +182,8 @@ def main(argv: list[str]) -> int:
     tokenizer = Tokenizer.from_checkpoint(default_model_dir())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = {"batch": args.batch, "context": args.context, "shape": args.shape, "device": name}
+    out["pieces_ms"] = pieces_ms(args.batch, model.cfg.text.vocab_size, device, dtype)
+    print("pieces: " + ", ".join(f"{k} {v:.3f}" for k, v in out["pieces_ms"].items()) + " ms", flush=True)
     settings = dict(SETTINGS)
     settings["penalties+logprobs5+json"] = dict(PENALTIES, logprobs=5, grammar=json_grammar())
     for name, extra in settings.items():

@@ -99,3 +99,40 @@ def test_engine_follows_the_schema_beside_free_requests(tiny):
         assert reasons[rid] == "stop", (rid, processor.tokenizer.decode(tokens[rid]))
         jsonschema.validate(json.loads(processor.tokenizer.decode(tokens[rid], skip_special_tokens=True)), SCHEMA)
     assert len(tokens["free"]) == len(tokens["sampled"]) == 10
+
+
+def test_choose_is_sample_then_logprobs_in_one_copy(grammars):
+    """choose() (engine/choose.py) against its pieces one at a time: the same
+    tokens (greedy, penalised, constrained, seeded sampling in one batch),
+    the logprobs of the rows that asked, each matcher one token further and
+    the penalised rows' counts recorded."""
+    from pipeline.engine.choose import choose
+    from pipeline.engine.logprobs import batch_logprobs
+    from pipeline.engine.penalties import PenaltyPool
+    from pipeline.engine.sampler import SamplingRow, make_generator, sample
+
+    vocab = grammars.vocab_size
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(5)) * 3
+    settings = [SamplingParams(8, logprobs=3), SamplingParams(8, repetition_penalty=1.3, logprobs=1),
+                SamplingParams(8), SamplingParams(8, temperature=0.7, seed=11, logprobs=0)]
+
+    def batch(pool):
+        matcher = grammars.matcher(grammar())
+        rows = [SamplingRow(p, make_generator(p)) for p in settings]
+        rows[1].pool_row = pool.take([4, 5])
+        rows[2].matcher = matcher
+        return rows, grammars.fill([row.matcher for row in rows])
+
+    pool_a, pool_b = PenaltyPool(vocab, 2, torch.device("cpu")), PenaltyPool(vocab, 2, torch.device("cpu"))
+    rows, masks = batch(pool_a)
+    chosen = choose(logits, rows, pool_a, masks, grammars)
+    again, again_masks = batch(pool_b)
+    tokens = sample(logits, again, pool_b, again_masks)
+    assert chosen.tokens == tokens
+    asking = [0, 1, 3]
+    want = batch_logprobs(logits, asking, [tokens[i] for i in asking], [3, 1, 0])
+    assert chosen.logprobs == dict(zip(asking, want))
+    # The constrained row's matcher took its token (sample() leaves matchers alone): its next mask differs.
+    consumed = grammars.fill([rows[2].matcher]).bitmask.clone()
+    assert not torch.equal(consumed, grammars.fill([again[2].matcher]).bitmask)
+    assert pool_a.counts[rows[1].pool_row, tokens[1]].item() == 1.0 and pool_a.counts.sum().item() == 1.0

@@ -35,3 +35,23 @@ def test_penalties_kernel_refuses_other_dtypes():
     with pytest.raises(ValueError, match="float32"):
         penalise_rows(logits, torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 8),
                       torch.zeros(1, 8, dtype=torch.bool), torch.ones(3, 1))
+
+
+def test_bitmask_kernel_equals_unpack_and_fill():
+    from pipeline.engine.grammar import unpack_bitmask
+    from pipeline.kernels.bitmask import BLOCK as MASK_BLOCK, apply_bitmask
+
+    gen = torch.Generator().manual_seed(2)
+    vocab = 2 * MASK_BLOCK + 45   # the last block and the last word both end early
+    logits = torch.randn(4, vocab, generator=gen)
+    words = torch.randint(-2**31, 2**31 - 1, (2, (vocab + 31) // 32), generator=gen, dtype=torch.int64).to(torch.int32)
+    words[1, 0] = -1   # every bit of a word set, bit 31 (the sign) included
+    rows = torch.tensor([3, 1])
+    ours, theirs = logits.clone(), logits.clone()
+    apply_bitmask(ours, words, rows)
+    theirs[rows] = theirs[rows].masked_fill(~unpack_bitmask(words, vocab), float("-inf"))
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[[0, 2]], logits[[0, 2]])    # rows outside the mask are untouched
+    assert torch.isinf(ours[3]).any() and torch.equal(ours[1, :32], logits[1, :32])
+    with pytest.raises(ValueError, match="int32"):
+        apply_bitmask(logits, words.long(), rows)

@@ -24,11 +24,11 @@ from pipeline.engine.plan import FinishedRequest, SchedulerConfig
 from pipeline.engine.request import ImageSpan, Request, RequestStatus, SamplingParams
 from pipeline.models.spec import span_rows
 from pipeline.engine.runner import ModelRunner, PromptGeometry
+from pipeline.engine.choose import choose
 from pipeline.engine.grammar import Grammars
-from pipeline.engine.logprobs import batch_logprobs
 from pipeline.engine.request_phases import RequestPhases
 from pipeline.engine.penalties import PenaltyPool, uses_penalties
-from pipeline.engine.sampler import SamplingRow, make_generator, sample
+from pipeline.engine.sampler import SamplingRow, make_generator
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.step_profile import StepProfile, step_kind
 from pipeline.processing.processor import MultimodalPrompt
@@ -235,21 +235,12 @@ class Engine:
                                                for c in plan.chunks}, cache.get)
             # On a GPU the forward is only queued so far. The grammar masks need
             # only the tokens consumed already: the host fills them now, before
-            # the first read that waits for the logits (in sample()).
+            # the first read that waits for the logits (in choose()).
             masks = self._grammars.fill([self.live[c.request_id].matcher for c in due]) if self._grammars else None
             rows = [self._sampling_row(c.request_id) for c in due]
-            tokens = sample(logits, rows, self.penalties, masks)   # leaves the logits raw, for logprobs
-            for row, token in zip(rows, tokens):
-                if row.matcher is not None:
-                    row.matcher.consume_token(token)
-            sampled = dict(zip((c.request_id for c in due), tokens))
-            asking = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-            if asking:
-                found = batch_logprobs(logits, asking, [tokens[i] for i in asking],
-                                       [rows[i].params.logprobs for i in asking])
-                logprobs = {due[i].request_id: lp for i, lp in zip(asking, found)}
-            penalised = [(row.pool_row, token) for row, token in zip(rows, tokens) if row.pool_row is not None]
-            self.penalties.record([r for r, _ in penalised], [t for _, t in penalised])
+            chosen = choose(logits, rows, self.penalties, masks, self._grammars)
+            sampled = dict(zip((c.request_id for c in due), chosen.tokens))
+            logprobs = {due[i].request_id: lp for i, lp in chosen.logprobs.items()}
         t3 = time.perf_counter()
         finished = {f.request_id: f for f in self.scheduler.update(plan, sampled)}
         outputs = [self._output(rid, token, finished.get(rid), logprobs.get(rid)) for rid, token in sampled.items()]

@@ -7,8 +7,9 @@ Nothing loops over the batch on the device: greedy rows take one batched
 argmax; bans, bias, penalties and masks apply to the whole batch at once;
 the sampled rows go through engine/draw.py together, each with one uniform
 number (a seeded request's from its own generator, so it gives the same
-tokens whatever else is in the batch). The tokens reach the host in one
-copy, the sampler's one wait on the device.
+tokens whatever else is in the batch). Nothing here waits on the device:
+the tokens stay there (sample_on_device) until engine/choose.py brings
+them to the host with the logprobs, in the step's one copy.
 """
 
 from __future__ import annotations
@@ -39,18 +40,23 @@ def _plain(row: SamplingRow) -> bool:
             and row.matcher is None)
 
 
-@torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow], pool: PenaltyPool | None = None,
            masks: GrammarMasks | None = None) -> list[int]:
     """logits [n, vocab] (any float dtype, left as they are) -> one token id
     per row. `masks`: the step's grammar masks (Grammars.fill), needed
     wherever a row has a matcher."""
-    if not rows:
-        return []
+    return sample_on_device(logits, rows, pool, masks).tolist() if rows else []
+
+
+@torch.inference_mode()
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], pool: PenaltyPool | None = None,
+                     masks: GrammarMasks | None = None) -> torch.Tensor:
+    """As sample(), but the token ids [n] stay on the logits' device: nothing
+    here waits for the device, so the step can queue more work behind it."""
     if all(_plain(row) for row in rows):
         # All greedy (the common serving case): the argmax of the logits as
         # they are, no float copy; converting to float never changes the order.
-        return logits.argmax(-1).tolist()
+        return logits.argmax(-1)
     # A copy even when already float32: the caller reads the raw logits after (logprobs).
     logits = logits.to(torch.float32, copy=True)
     _ban(logits, rows)
@@ -61,14 +67,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], pool: PenaltyPool | No
         masks.apply(logits)
     drawn = [i for i, row in enumerate(rows) if row.params.temperature > 0]
     if len(drawn) == len(rows):
-        return draw(logits, [row.params for row in rows], [row.generator for row in rows]).tolist()
+        return draw(logits, [row.params for row in rows], [row.generator for row in rows])
     tokens = logits.argmax(-1)
     if drawn:
         index = device_tensor(drawn, torch.long, logits.device)
         chosen = draw(logits.index_select(0, index), [rows[i].params for i in drawn],
                       [rows[i].generator for i in drawn])
         tokens.index_copy_(0, index, chosen)
-    return tokens.tolist()
+    return tokens
 
 
 def _ban(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
