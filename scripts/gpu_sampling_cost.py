@@ -4,8 +4,8 @@ plain greedy, side by side in one run (issue 17): whole engine steps of a
 Qwen2.5-VL-3B-shaped language model (random bf16 weights) at batch 32,
 each setting in its own engine over the same prompts.
 
-    python3 scripts/gpu_sampling_cost.py [--batch 32] [--steps 40] [--json OUT.json]
-    python3 scripts/gpu_sampling_cost.py --device cpu --shape qwen2.5-vl-tiny --batch 4 --steps 3   # smoke
+    python3 scripts/gpu_sampling_cost.py [--batch 32] [--steps 20] [--rounds 4] [--json OUT.json]
+    python3 scripts/gpu_sampling_cost.py --device cpu --shape qwen2.5-vl-tiny --batch 4 --steps 3 --rounds 1   # smoke
 
 Settings: greedy; greedy + repetition/frequency/presence penalties and
 logit_bias; greedy + logprobs (top 5); all of them; all of them with a JSON
@@ -69,8 +69,9 @@ def sync(device: torch.device) -> None:
 
 
 def make_engine(model, tokenizer, device, batch: int, context: int, steps: int, extra: dict) -> Engine:
+    kv_bytes = (8 << 30) if device.type == "cuda" else (256 << 20)   # every setting's engine lives at once
     engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
-                                                   max_num_seqs=batch + 1, kv_cache_bytes=8 << 30), device)
+                                                   max_num_seqs=batch + 1, kv_cache_bytes=kv_bytes), device)
     vocab = min(150000, model.cfg.text.vocab_size)
     for i in range(batch):
         ids = [int(x) for x in np.random.default_rng(i).integers(0, vocab, context)]
@@ -84,14 +85,18 @@ def make_engine(model, tokenizer, device, batch: int, context: int, steps: int, 
     return engine
 
 
-def step_ms(engine: Engine, device, steps: int) -> float:
+def step_times(engine: Engine, device, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         engine.step()
         sync(device)
         times.append(time.perf_counter() - started)
-    return float(np.median(times) * 1000)
+    return times
+
+
+def step_ms(engine: Engine, device, steps: int) -> float:
+    return float(np.median(step_times(engine, device, steps)) * 1000)
 
 
 def breakdown_ms(engine: Engine, device, steps: int, constrained: bool) -> dict[str, float]:
@@ -140,20 +145,15 @@ def time_ms(fn, device, repeats: int = 50) -> float:
 
 
 def pieces_ms(batch: int, vocab: int, device, dtype) -> dict[str, float]:
-    """The replaced pieces against their replacements, side by side: a
-    whole-row top-5 against logprobs.largest, and the bitmask's unpack and
-    fill against kernels/bitmask.py (CUDA only)."""
+    """The logprobs' top-5, and the bitmask's unpack and fill against
+    kernels/bitmask.py (CUDA only), side by side."""
     from pipeline.engine.grammar import unpack_bitmask
-    from pipeline.engine.logprobs import largest
 
     logits = torch.randn(batch, vocab, device=device).to(dtype)
-    out = {"topk5_whole_row": time_ms(lambda: logits.topk(5, dim=-1), device),
-           "topk5_two_stage": time_ms(lambda: largest(logits, 5), device)}
+    out = {"topk5": time_ms(lambda: logits.topk(5, dim=-1), device)}
     words = torch.randint(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32), dtype=torch.int64).to(torch.int32).to(device)
     scores = logits.float()
     out["mask_unpack_fill"] = time_ms(lambda: scores.masked_fill_(~unpack_bitmask(words, vocab), float("-inf")), device)
-    want_top = logits.topk(5, dim=-1).values
-    out["two_stage_equal"] = float(torch.equal(largest(logits, 5)[0], want_top))
     if device.type == "cuda":
         from pipeline.kernels.bitmask import apply_bitmask
 
@@ -166,14 +166,33 @@ def pieces_ms(batch: int, vocab: int, device, dtype) -> dict[str, float]:
     return out
 
 
+def profile_steps(engine: Engine, device, steps: int = 10) -> str:
+    """torch.profiler's table of `steps` engine steps, by self device time then self host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+    table = prof.key_averages()
+    by_device = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    text = table.table(sort_by=by_device, row_limit=18) + table.table(sort_by="self_cpu_time_total", row_limit=18)
+    print(text, flush=True)
+    return text
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=512)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=20, help="steps a setting measures in each round")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of every setting in turn")
     p.add_argument("--json", type=Path)
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", default="qwen2.5-vl-3b")
+    p.add_argument("--profile", action="append", default=[], metavar="SETTING",
+                   help="print torch.profiler's table of 10 steps of this setting (repeatable)")
     p.add_argument("--breakdown-steps", type=int, default=10, help="steps for the per-piece breakdown (0: none)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -186,16 +205,29 @@ def main(argv: list[str]) -> int:
     print("pieces: " + ", ".join(f"{k} {v:.3f}" for k, v in out["pieces_ms"].items()) + " ms", flush=True)
     settings = dict(SETTINGS)
     settings["penalties+logprobs5+json"] = dict(PENALTIES, logprobs=5, grammar=json_grammar())
+    # Every engine lives through the whole run and the settings take turns,
+    # round after round: the GPU's clocks and the host's load drift over a
+    # run, and each setting's steps then see the same drift as greedy's.
+    engines = {name: make_engine(model, tokenizer, device, args.batch, args.context,
+                                 args.rounds * args.steps + args.breakdown_steps + 12, extra)
+               for name, extra in settings.items()}
+    times: dict[str, list[float]] = defaultdict(list)
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            times[name] += step_times(engine, device, args.steps)
     for name, extra in settings.items():
-        engine = make_engine(model, tokenizer, device, args.batch, args.context,
-                             args.steps + args.breakdown_steps, extra)
-        out[f"{name}_ms"] = step_ms(engine, device, args.steps)
+        out[f"{name}_ms"] = float(np.median(times[name]) * 1000)
         out[f"{name}_vs_greedy"] = out[f"{name}_ms"] / out["greedy_ms"]
         print(f"{name}: {out[f'{name}_ms']:.3f} ms a step ({out[f'{name}_vs_greedy']:.3f}x greedy)", flush=True)
+    for name, extra in settings.items():
+        engine = engines.pop(name)
+        if name in args.profile:
+            out[f"{name}_profile"] = profile_steps(engine, device)
         if args.breakdown_steps:
             parts = out[f"{name}_breakdown_ms"] = breakdown_ms(engine, device, args.breakdown_steps, "grammar" in extra)
-            print("    inside (synced): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + " ms", flush=True)
-        del engine   # its KV cache and graphs go before the next setting's engine is built
+            print(f"    {name} inside (synced): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + " ms",
+                  flush=True)
+        del engine
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

@@ -67,3 +67,15 @@ def test_record_counts_every_token():
     assert pool.counts[a, 9] == 2 and pool.counts[b, 9] == 1 and pool.counts[b, 11] == 1
     assert pool.seen[a].nonzero().flatten().tolist() == [5, 9]
     assert pool.seen[b].nonzero().flatten().tolist() == [9, 11]
+    pool.record([b], torch.tensor([11]))   # tokens still on the device: the same counting
+    assert pool.counts[b, 11] == 2
+
+
+def test_steady_tensors_are_copied_once_while_their_values_repeat():
+    from pipeline.engine.small_copies import steady_tensor
+
+    first = steady_tensor("test-rows", (1, 2, 3), torch.long, torch.device("cpu"))
+    assert steady_tensor("test-rows", (1, 2, 3), torch.long, torch.device("cpu")) is first
+    other = steady_tensor("test-rows", (1, 2, 4), torch.long, torch.device("cpu"))
+    assert other is not first and other.tolist() == [1, 2, 4]
+    assert steady_tensor("test-rows", (1, 2, 4), torch.float32, torch.device("cpu")).dtype == torch.float32

@@ -6,7 +6,11 @@ one behind the other, and a single copy brings the tokens and the logprob
 table to the host: before, the tokens came back first and the logprobs'
 top-k ran only after, a second wait with the device idle in between. Then,
 on the host, the grammar matchers consume their tokens in one parallel call
-and the penalties' counts take the new tokens (queued on the device).
+and the penalties' counts take the new tokens (queued on the device, from
+the tokens still there). At batch 32 the step waits on the host, not the
+device, so every host microsecond here is a microsecond of the step: the
+small index and settings tensors that repeat step after step are copied
+once (small_copies.steady_tensor).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pipeline.engine.grammar import GrammarMasks, Grammars
 from pipeline.engine.logprobs import TokenLogprobs, logprob_table, read_table
 from pipeline.engine.penalties import PenaltyPool
 from pipeline.engine.sampler import SamplingRow, sample_on_device
-from pipeline.engine.small_copies import device_tensor
+from pipeline.engine.small_copies import steady_tensor
 
 
 @dataclass
@@ -41,7 +45,7 @@ def choose(logits: torch.Tensor, rows: list[SamplingRow], pool: PenaltyPool, mas
         top = [rows[i].params.logprobs for i in asking]
         k = max(top)
         picked = tokens if len(asking) == len(rows) else tokens.index_select(
-            0, device_tensor(asking, torch.long, logits.device))
+            0, steady_tensor("asking", tuple(asking), torch.long, logits.device))
         table = logprob_table(logits, asking, picked, k)
         # float64 holds every token id exactly: the tokens ride in the table's copy.
         flat = torch.cat((tokens.double(), table.flatten())).tolist()   # the step's one wait
@@ -54,6 +58,8 @@ def choose(logits: torch.Tensor, rows: list[SamplingRow], pool: PenaltyPool, mas
         chosen = Chosen(tokens.tolist())
     if grammars is not None:
         grammars.consume([(row.matcher, token) for row, token in zip(rows, chosen.tokens) if row.matcher is not None])
-    penalised = [(row.pool_row, token) for row, token in zip(rows, chosen.tokens) if row.pool_row is not None]
-    pool.record([r for r, _ in penalised], [t for _, t in penalised])
+    penalised = [i for i, row in enumerate(rows) if row.pool_row is not None]
+    if penalised:   # from the tokens still on the device: no copy back
+        index = steady_tensor("penalised_batch", tuple(penalised), torch.long, logits.device)
+        pool.record([rows[i].pool_row for i in penalised], tokens.index_select(0, index))
     return chosen

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.engine.small_copies import device_tensor
+from pipeline.engine.small_copies import device_tensor, steady_tensor
 
 GRAMMAR_LIBRARY = "llguidance"
 
@@ -109,7 +109,7 @@ class GrammarMasks:
         if logits.is_cuda:
             from pipeline.kernels.bitmask import apply_bitmask   # imports triton: CUDA only
 
-            apply_bitmask(logits, words, device_tensor(self.rows, torch.long, logits.device))
+            apply_bitmask(logits, words, steady_tensor("masked_rows", tuple(self.rows), torch.long, logits.device))
             return
         allowed = unpack_bitmask(words, logits.shape[1])
         if self.rows == list(range(logits.shape[0])):
