@@ -21,10 +21,12 @@ from pipeline.launch.supervisor import SupervisorConfig
 from test_launch import Launcher, assert_all_gone
 
 # Like the real one: `-d` forks a detached daemon that writes its pid file
-# and listens on <pipe>/control; without -d it passes one command from stdin
-# to that socket, and `quit` ends the daemon, which removes its pid file.
-# Rules in control.json: fail (message; -d exits 1), never_ready (pid file,
-# no socket), ignore_quit. Every start, command and quit goes to calls.log.
+# and listens on <pipe>/control, `-f` serves in the foreground; with neither
+# it passes one command from stdin to that socket: `quit` ends the daemon,
+# which removes its pid file, and `exit N` ends it with code N. Rules in
+# control.json: fail (message; -d exits 1), never_ready (pid file, no socket),
+# ignore_quit, bind_on_cue (bind once bin/bind exists). Starts, commands,
+# quits and (with -f) the moment before the bind go to calls.log.
 CONTROL = r'''
 import json, os, socket, sys, time
 from pathlib import Path
@@ -39,16 +41,19 @@ def record(*words):
     with open(HERE / "calls.log", "a") as f:
         f.write(" ".join(map(str, (repr(time.time()), *words))) + "\n")
 
-def serve():
-    os.setsid()
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
+def serve(foreground):
+    if not foreground:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
     record("daemon", os.getpid(), pipe, logs)
     PID.write_text(f"{os.getpid()}\n")
-    if rules.get("never_ready"):
-        while True:
-            time.sleep(1)
+    while rules.get("never_ready") or (rules.get("bind_on_cue") and not (HERE / "bind").exists()):
+        time.sleep(0.02)
+    (pipe / "control").unlink(missing_ok=True)  # one a killed daemon left
+    if foreground:
+        record("binding", os.getpid())
     with socket.socket(socket.AF_UNIX) as server:
         server.bind(str(pipe / "control"))
         server.listen()
@@ -58,6 +63,8 @@ def serve():
             with conn, conn.makefile() as lines:
                 command = lines.readline().strip()
             record("command", command)
+            if command.startswith("exit "):
+                os._exit(int(command.split()[1]))
             if command == "quit" and not rules.get("ignore_quit"):
                 PID.unlink()
                 record("quit", os.getpid())
@@ -68,9 +75,11 @@ if sys.argv[1:] == ["-d"]:
         sys.exit(rules["fail"])
     if os.fork() == 0:
         try:
-            serve()
+            serve(foreground=False)
         finally:
             os._exit(0)
+elif sys.argv[1:] == ["-f"]:
+    serve(foreground=True)
 else:
     command = sys.stdin.readline().strip()
     try:

@@ -9,7 +9,8 @@ What this relies on, from NVIDIA's MPS documentation (and what daemons in
 the field leave in their pipe folder):
 - `nvidia-cuda-mps-control -d` forks the daemon and returns; the daemon and
   its clients meet in CUDA_MPS_PIPE_DIRECTORY, and it writes control.log
-  and server.log to CUDA_MPS_LOG_DIRECTORY.
+  and server.log to CUDA_MPS_LOG_DIRECTORY. `-f` runs the same daemon in
+  the foreground instead (systemd's epd-mps unit: mps_service.py).
 - The daemon writes its pid to `<pipe>/nvidia-cuda-mps-control.pid` and
   listens on the UNIX socket `<pipe>/control` (beside it: control_lock,
   control_privileged, log). It is ready once both are there and the pid is
@@ -138,7 +139,7 @@ class MpsDaemon:
         if program is None:
             return
         deadline = time.monotonic() + self.config.stop_timeout
-        why = self._send_quit(program, deadline)
+        why = send_quit(program, self._env(), deadline)
         if self.pid is not None and not _wait_exit(self.pid, deadline):
             _kill(self.pid)
             self.write(f"epd-launch: the MPS control daemon (pid {self.pid}) did not quit within "
@@ -161,7 +162,7 @@ class MpsDaemon:
         pid = _read_pid(self.pipe / PID_FILE)
         if pid is not None and _alive(pid):
             self.write(f"epd-launch: stopping the MPS control daemon left by an earlier run (pid {pid})")
-            why = self._send_quit(program, deadline)
+            why = send_quit(program, self._env(), deadline)
             # Not killed by pid: the file may be stale and the number reused.
             if not _wait_exit(pid, deadline):
                 raise MpsError(f"the MPS control daemon left by an earlier run (pid {pid}, pipe {self.pipe}) "
@@ -202,13 +203,13 @@ class MpsDaemon:
             if pid is not None:
                 self.pid = pid  # known from here on, so that a failed start can kill it
                 if not _alive(pid):
-                    raise MpsError(f"the daemon (pid {pid}) exited right after starting{self._log_tail()}")
+                    raise MpsError(f"the daemon (pid {pid}) exited right after starting{log_tail(self.logs)}")
                 if (self.pipe / CONTROL_SOCKET).exists():
                     return
             if time.monotonic() >= deadline:
                 raise MpsError(f"the daemon was not ready within {self.config.start_timeout:g} s (no "
                                f"{CONTROL_SOCKET} socket and live pid in {self.pipe / PID_FILE})"
-                               f"{self._log_tail()}")
+                               f"{log_tail(self.logs)}")
             time.sleep(POLL_S)
 
     def _abandon(self) -> None:
@@ -218,31 +219,8 @@ class MpsDaemon:
         self.pid = None
         self._remove_root()
 
-    def _send_quit(self, program: str, deadline: float) -> str:
-        """'' once the control program has passed `quit` on; else why not,
-        as a clause for a log line."""
-        try:
-            done = subprocess.run([program], input=b"quit\n", stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, env=self._env(), start_new_session=True,
-                                  timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            return f" ({program} did not take the quit in time)"
-        except OSError as exc:
-            return f" (cannot run {program}: {exc.strerror or exc})"
-        if done.returncode != 0:
-            lines = done.stdout.decode("utf-8", "replace").strip().splitlines()
-            return f" ({program} exited with code {done.returncode}{': ' + lines[-1] if lines else ''})"
-        return ""
-
     def _env(self) -> dict[str, str]:
         return {**os.environ, PIPE_VAR: str(self.pipe), LOG_VAR: str(self.logs)}
-
-    def _log_tail(self) -> str:
-        try:
-            lines = (self.logs / "control.log").read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return f" (control.log: {lines[-1]})" if lines else ""
 
     def _remove_root(self) -> None:
         try:
@@ -251,6 +229,32 @@ class MpsDaemon:
             pass
         except OSError as exc:
             self.write(f"epd-launch: warning: cannot remove {self.config.root}: {exc.strerror or exc}")
+
+
+def send_quit(program: str, env: dict[str, str], deadline: float) -> str:
+    """Pass `quit` to the daemon whose pipe folder `env` names: '' once the
+    control program has taken it; else why not, as a clause for a log line."""
+    try:
+        done = subprocess.run([program], input=b"quit\n", stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                              timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return f" ({program} did not take the quit in time)"
+    except OSError as exc:
+        return f" (cannot run {program}: {exc.strerror or exc})"
+    if done.returncode != 0:
+        lines = done.stdout.decode("utf-8", "replace").strip().splitlines()
+        return f" ({program} exited with code {done.returncode}{': ' + lines[-1] if lines else ''})"
+    return ""
+
+
+def log_tail(logs: Path) -> str:
+    """The last line of the daemon's control.log in `logs`, as a clause."""
+    try:
+        lines = (logs / "control.log").read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return f" (control.log: {lines[-1]})" if lines else ""
 
 
 def _read_pid(path: Path) -> int | None:

@@ -89,26 +89,41 @@ MPS_UNIT = """# The NVIDIA MPS control daemon for epd.service. Stages that share
 [Unit]
 Description=NVIDIA MPS control daemon for EPD
 After=nvidia-persistenced.service
+StartLimitIntervalSec=600
+StartLimitBurst=5
 
 [Service]
-# `-d` forks the daemon and returns; the daemon writes its pid file into
-# the pipe folder.
-Type=forking
-PIDFile=/run/epd-mps/pipe/nvidia-cuda-mps-control.pid
+# notify: epd-mps runs `nvidia-cuda-mps-control -f` (the daemon in the
+# foreground, as its child; the control program is found on PATH, /usr/bin
+# for the driver's) and says READY=1 only once the daemon listens on its
+# control socket, so epd.service, ordered after this unit, starts against a
+# daemon that is up; STOPPING=1 when it begins to quit it.
+Type=notify
+NotifyAccess=main
+# epd-mps pings the watchdog every 5 s (half of this) while the daemon
+# lives; if the daemon dies epd-mps exits 1 at once, and Restart= starts both.
+WatchdogSec=10
 # The stages' user: the daemon starts each MPS server as its clients' user,
 # and only that user may use the 0700 pipe folder.
 User=@USER@
 Group=@USER@
+# Where `python -m` finds the package when there is no console script.
+WorkingDirectory=@WORKDIR@
 RuntimeDirectory=epd-mps/pipe
 RuntimeDirectoryMode=0700
 LogsDirectory=epd-mps
 Environment=CUDA_MPS_PIPE_DIRECTORY=/run/epd-mps/pipe
 Environment=CUDA_MPS_LOG_DIRECTORY=/var/log/epd-mps
-ExecStart=/usr/bin/nvidia-cuda-mps-control -d
-# `quit` shuts the servers down once their clients are gone (epd.service
-# stops first: it is ordered after this unit); then wait for the daemon to
-# exit, so that systemd does not SIGTERM it halfway.
-ExecStop=/bin/sh -c 'echo quit | /usr/bin/nvidia-cuda-mps-control; while kill -0 ${MAINPID} 2>/dev/null; do sleep 0.2; done'
+ExecStart=@EXEC_START@
+# No ExecStop: systemd's SIGTERM is the stop. KillMode=mixed sends it to
+# epd-mps alone, which passes `quit` to the daemon: the daemon shuts its
+# servers down once their clients are gone (epd.service stops first: it is
+# ordered after this unit) and exits; epd-mps SIGKILLs it past
+# --stop-timeout (20 s). Under control-group the daemon and its servers
+# would get SIGTERM at that same moment, racing the quit. Whatever is
+# still alive after TimeoutStopSec is SIGKILLed in the whole control group.
+KillMode=mixed
+KillSignal=SIGTERM
 TimeoutStopSec=30
 Restart=on-failure
 RestartSec=5
@@ -123,8 +138,8 @@ def launcher_unit(exec_start: str, config: Path, mps: bool, user: str = "epd", w
                 MPS_REQUIRES=MPS_REQUIRES if mps else "", MPS_ENVIRONMENT=MPS_ENVIRONMENT if mps else "")
 
 
-def mps_unit(user: str = "epd") -> str:
-    return fill(MPS_UNIT, USER=user)
+def mps_unit(exec_start: str, user: str = "epd", workdir: str = "/opt/epd") -> str:
+    return fill(MPS_UNIT, EXEC_START=exec_start, USER=user, WORKDIR=workdir)
 
 
 def fill(template: str, **values: str) -> str:
@@ -136,10 +151,20 @@ def fill(template: str, **values: str) -> str:
 
 def launcher_command() -> str:
     """The epd-launch of this installation: its console script, else the module."""
-    script = Path(sys.executable).parent / "epd-launch"
-    if script.is_file():
-        return str(script)
-    return f"{shlex.quote(sys.executable)} -m pipeline.launch.cli"
+    return installed_command("epd-launch", "pipeline.launch.cli")
+
+
+def mps_command() -> str:
+    """The epd-mps of this installation: its console script, else the module."""
+    return installed_command("epd-mps", "pipeline.launch.mps_service")
+
+
+def installed_command(script: str, module: str) -> str:
+    """The console script beside this Python, else `python -m module`."""
+    path = Path(sys.executable).parent / script
+    if path.is_file():
+        return str(path)
+    return f"{shlex.quote(sys.executable)} -m {module}"
 
 
 def write_units(folder: Path, config_text: str, mps: bool, user: str = "epd") -> list[Path]:
@@ -148,7 +173,7 @@ def write_units(folder: Path, config_text: str, mps: bool, user: str = "epd") ->
     config = Path("/etc/epd/epd.yaml")
     files = {"epd.service": launcher_unit(launcher_command(), config, mps, user), "epd.yaml": config_text}
     if mps:
-        files["epd-mps.service"] = mps_unit(user)
+        files["epd-mps.service"] = mps_unit(mps_command(), user)
     written = []
     for name, text in files.items():
         (folder / name).write_text(text)
