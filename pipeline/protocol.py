@@ -166,6 +166,20 @@ class FetchEmbedding(_Msg, tag="fetch"):
     expected_tokens: int
 
 
+class EmbeddingWanted(_Msg, tag="wanted"):
+    """A generator lost an embedding that request `request_id` still needs
+    (its encoder died before it was read, or it was evicted here and is gone
+    from that encoder too) and asks the request's proxy to have it encoded
+    again from the media the proxy holds. Answered like the request's first
+    encode jobs: EmbeddingReady from whichever encoder gets the job."""
+
+    request_id: str
+    content_hashes: tuple[str, ...]
+    consumer: str        # the generator's inbox
+    reason: str = ""     # for the proxy's log
+    encoder: str = ""    # the encoder that went silent on it, if one did: the job goes elsewhere
+
+
 class Sampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
     max_tokens: int
     min_tokens: int = 0
@@ -260,7 +274,7 @@ def new_incarnation() -> str:
 
 Message = (EncodeJob | EmbeddingReady | EncodeFailed | ReleaseLease | Heartbeat | Hello
            | EncoderAnnounce | StatsRequest | StageStats | FetchEmbedding | GenerateRequest
-           | TokenDelta | AbortRequest | Wake)
+           | TokenDelta | AbortRequest | Wake | EmbeddingWanted)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

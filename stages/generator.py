@@ -4,7 +4,8 @@ Runs the language model with continuous batching. Takes GenerateRequest,
 EmbeddingReady and AbortRequest messages at its inbox and streams TokenDelta
 messages to each request's reply address. `--mode aggregated` runs the vision
 tower here too (no encoders): the baseline EPD is measured against.
-SIGTERM or SIGINT stops it.
+`--encode-fallback local` loads the tower in EPD mode too, for the encode
+jobs the proxy sends here while no encoder is up. SIGTERM or SIGINT stops it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.kv_budget import (
     GIB, DeviceMemory, LanguageShape, activation_reserve, auto_kv_cache_bytes, embedding_bytes, forward_peak_bytes)
+from pipeline.encoder.service import job_video_options
 from pipeline.generator.internal import AskerRestarted, DecodeSkips, prepare_unless_aborted
+from pipeline.generator.local_encode import LocalEncoder, decode_job
 from pipeline.generator.media_budget import HeldBytes
 from pipeline.generator.service import GeneratorService
 from pipeline.incarnations import Incarnations
@@ -92,10 +95,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="CUDA, --kv-cache-mib auto: the share of the GPU's total memory this process may use "
                         "in all: weights, KV cache, activations, CUDA graphs (default: 0.9)")
     p.add_argument("--encoder-cache-tokens", type=int, default=16384)
-    p.add_argument("--local-encode-tokens", type=int, default=8192, help="aggregated mode: per step")
+    p.add_argument("--local-encode-tokens", type=int, default=8192,
+                   help="aggregated mode, --encode-fallback local: visual tokens encoded here per step")
+    p.add_argument("--encode-fallback", choices=("off", "local"), default="off",
+                   help="local: load the vision tower in EPD mode too and encode the jobs the proxy sends here "
+                        "while no encoder is up (the proxy needs the same flag)")
     p.add_argument("--embedding-timeout", type=float, default=60.0, help="seconds an image may take")
-    p.add_argument("--media-backend", default="auto", help="aggregated mode: image decoder")
-    p.add_argument("--video-backend", default="auto", help="aggregated mode: video decoder (auto, pyav, dali)")
+    p.add_argument("--media-backend", default="auto", help="aggregated mode, fallback encodes: image decoder")
+    p.add_argument("--video-backend", default="auto",
+                   help="aggregated mode, fallback encodes: video decoder (auto, pyav, dali)")
     p.add_argument("--media-budget-mib", type=int, default=2048,
                    help="aggregated mode: decoded media the generator may hold (requests past it wait as bytes; "
                         "kept out of the KV cache's memory)")
@@ -105,7 +113,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-matmul", choices=("cublas", "triton"), default=None,
                    help="CUDA: decode steps' projections through cuBLAS or the small-batch Triton matmul "
                         "(default: triton wherever the fused decode kernels run)")
-    add_vision_graph_flags(p, "aggregated mode, ")
+    add_vision_graph_flags(p, "aggregated mode and fallback encodes, ")
     p.add_argument("--eager-mixed", action="store_true",
                    help="CUDA: run mixed prefill/decode steps eagerly, not through the fused kernels and "
                         "CUDA graphs (the default wherever decode runs them)")
@@ -116,6 +124,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     check_vision_graph_flags(p, args)
+    if args.mode == "aggregated" and args.encode_fallback != "off":
+        p.error("--encode-fallback is for --mode epd (an aggregated generator encodes every image itself)")
     return args
 
 
@@ -131,6 +141,8 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
     aggregated = args.mode == "aggregated"
     model = load_stage_model(model_dir, args.random_weights, dtype, device,
                              part=None if aggregated else "language")
+    # Before the KV cache is sized: its weights are then counted as held.
+    tower = fallback_tower(args, model, model_dir, dtype, device) if args.encode_fallback == "local" else None
     kv_bytes, sized_by = kv_cache_bytes(args, model, device)
     config = EngineConfig(args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
                           kv_bytes, args.encoder_cache_tokens, aggregated,
@@ -143,14 +155,30 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
     if aggregated:
         engine.runner.vision = stage_vision_forward(model.visual, device, args,
                                                     ImageProcessorConfig.from_checkpoint(model_dir))
-    decode = None
-    if aggregated:
+    decode, local = None, None
+    if aggregated or tower is not None:
         video_config = video_config_of(model_dir, video_tokens_of(engine.model.spec))
-        decode = media_decoder(args.media_backend, args.video_backend, device, model_dir, video_config)
+        decode_items = media_decoder(args.media_backend, args.video_backend, device, model_dir, video_config)
+        decode = request_decoder(decode_items) if aggregated else None
+    if tower is not None:
+        log.info("--encode-fallback local: the vision tower is loaded, for images sent here while no encoder is up")
+        forward = stage_vision_forward(tower, device, args, ImageProcessorConfig.from_checkpoint(model_dir))
+        local = LocalEncoder(forward, job_decoder(decode_items), device, args.local_encode_tokens)
     # Last: nothing after it may fail and leave the rings' shared memory behind.
     rings = {} if aggregated else ring.create_inbound(args.instance, args.encoders)
     return GeneratorService(engine, args.address, device, send, args.encoders, args.embedding_timeout, decode,
-                            rings=rings)
+                            rings=rings, local=local)
+
+
+def fallback_tower(args: argparse.Namespace, model: torch.nn.Module, model_dir: Path, dtype: str,
+                   device: torch.device) -> torch.nn.Module:
+    """The vision tower for --encode-fallback local: the one a checkpoint
+    already loaded beside the language model, else (random weights leave it
+    unmade) the one an encoder would make."""
+    tower = getattr(model, "visual", None)
+    if tower is not None and not any(p.is_meta for p in tower.parameters()):
+        return tower
+    return load_stage_model(model_dir, args.random_weights, dtype, device, part="visual")
 
 
 def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> tuple[int, str]:
@@ -165,7 +193,7 @@ def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: tor
     shape = LanguageShape(lang.num_layers, lang.kv_heads, lang.head_dim, lang.hidden_size,
                           lang.intermediate_size, lang.vocab_size, lang.max_context, dtype_bytes)
     vision_bytes = 0
-    if args.mode == "aggregated":
+    if args.mode == "aggregated" or args.encode_fallback == "local":
         patches = args.local_encode_tokens * vision.patches_per_token
         vision_bytes = forward_peak_bytes(patches, vision.hidden_size, vision.intermediate_size, dtype_bytes)
         vision_bytes += args.media_budget_mib << 20   # decoded media wait on the device (receive)
@@ -186,8 +214,8 @@ def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: tor
 
 
 def media_decoder(backend: str, video_backend: str, device, model_dir: Path, video_config):
-    """Aggregated mode: a request's media -> [(pixel_values, grid)] per item,
-    ValueError for a bad image or video."""
+    """Media decoded here: (kinds, blobs, video options) -> [(pixel_values,
+    grid)] per item, ValueError for a bad image or video."""
     media = create_backend(backend, device)
     videos = create_video_backend(video_backend, device) if video_config is not None else None
     image_config = ImageProcessorConfig.from_checkpoint(model_dir)
@@ -213,15 +241,33 @@ def media_decoder(backend: str, video_backend: str, device, model_dir: Path, vid
             raise ValueError(f"bad video: {bad[0]}")
         return [(r.pixel_values, r.plan.grid) for r in results]
 
+    def decode_items(kinds, blobs, options: VideoOptions | None):
+        images = iter(decode_images([m for m, k in zip(blobs, kinds) if k == "image"]))
+        clips = [m for m, k in zip(blobs, kinds) if k == "video"]
+        decoded_clips = iter(decode_videos(clips, options) if clips else ())
+        return [next(images) if kind == "image" else next(decoded_clips) for kind in kinds]
+
+    return decode_items
+
+
+def request_decoder(decode_items):
+    """Aggregated mode: a request's media -> [(pixel_values, grid)] per item."""
     def decode(request: protocol.GenerateRequest):
         kinds = request.media_kinds or ("image",) * len(request.media)
         options = None
         if request.video_fps is not None or request.video_frames is not None:
             options = VideoOptions(request.video_fps, request.video_frames)
-        images = iter(decode_images([m for m, k in zip(request.media, kinds) if k == "image"]))
-        clips = [m for m, k in zip(request.media, kinds) if k == "video"]
-        decoded_clips = iter(decode_videos(clips, options) if clips else ())
-        return [next(images) if kind == "image" else next(decoded_clips) for kind in kinds]
+        return decode_items(kinds, request.media, options)
+
+    return decode
+
+
+def job_decoder(decode_items):
+    """--encode-fallback local: an encode job's media -> (pixel_values, grid)."""
+    def decode(job: protocol.EncodeJob):
+        if job.modality not in ("image", "video"):
+            raise ValueError(f"this generator takes no {job.modality} input")
+        return decode_items((job.modality,), (job.media,), job_video_options(job))[0]
 
     return decode
 
@@ -259,6 +305,8 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
                 skips.add(message.request_id)
                 decoder.submit(lambda m=message: inbound.put(
                     prepare_unless_aborted(m, service.decode_images, skips, budget, stop)))
+            elif isinstance(message, protocol.EncodeJob) and service.local is not None:
+                decoder.submit(lambda m=message: inbound.put(decode_job(m, service.local.decode, budget, stop)))
             else:
                 inbound.put(message)
                 if isinstance(message, protocol.AbortRequest):

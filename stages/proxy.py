@@ -28,7 +28,7 @@ from pipeline.processing.chat_template import is_template_text
 from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import Processor
 from pipeline.proxy.access import AccessPolicy
-from pipeline.proxy.dispatcher import Dispatcher
+from pipeline.proxy.dispatcher import ENCODE_FALLBACKS, Dispatcher
 from pipeline.proxy.media_fetch import FetchPolicy
 from pipeline.proxy.requests import ModelInfo
 from pipeline.proxy.sampling_defaults import sampling_defaults
@@ -86,6 +86,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds the requests in flight get to finish; new connections are "
                    "refused meanwhile")
+    p.add_argument("--encode-fallback", choices=ENCODE_FALLBACKS, default="off",
+                   help="local: while no encoder is up, send the images' encode jobs to the generators, which "
+                   "encode them themselves (start them with the same flag); off: they wait for an encoder")
     p.add_argument("--stage-timeout", type=float, default=3.0,
                    help="seconds without a stage's stats reply before it counts as down and its requests move")
     add_log_flags(p)
@@ -95,6 +98,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("at least one --generators address is required")
     if args.mode == "epd" and not args.encoders:
         p.error("--mode epd needs at least one --encoders address")
+    if args.mode == "aggregated" and args.encode_fallback != "off":
+        p.error("--encode-fallback is for --mode epd (aggregated generators encode every image themselves)")
     if not 0 < args.port < 65536:
         p.error("--port must be in 1..65535")
     if not args.drain_timeout >= 0:   # also false for nan
@@ -144,7 +149,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       defaults=sampling_defaults(args.generation_config, model_dir))
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
-                            args.mode == "aggregated", args.max_in_flight, args.stage_timeout)
+                            args.mode == "aggregated", args.max_in_flight, args.stage_timeout,
+                            encode_fallback=args.encode_fallback)
     policy = FetchPolicy(args.max_image_bytes, tuple(args.allow_file_dir), not args.disable_http_media,
                          args.media_fetch_timeout, tuple(d.lower() for d in args.allowed_media_domains))
     access = AccessPolicy(args.api_key or None, args.api_key_all_routes, args.allowed_origins,

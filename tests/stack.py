@@ -37,7 +37,7 @@ class Stack:
         # Named after the run folder too: two stacks may be up at once.
         self.encoder_instances = [f"e2e-{run_dir.name}-enc{i}-{os.getpid()}" for i in range(encoders)]
         self.generator_instances = [f"e2e-{run_dir.name}-gen{i}-{os.getpid()}" for i in range(generators)]
-        enc = [f"ipc://{run_dir}/enc{i}.sock" for i in range(encoders)]
+        enc = self.encoder_addresses = [f"ipc://{run_dir}/enc{i}.sock" for i in range(encoders)]
         gen = [f"ipc://{run_dir}/gen{i}.sock" for i in range(generators)]
         # As epd-launch does: the cores split among the model stages.
         threads = threads_per_stage(encoders + generators, usable_cpus())

@@ -30,9 +30,9 @@ def test_wire_ids_round_trip():
 class Stages:
     """PULL sockets at the stages' addresses: what the dispatcher sends them."""
 
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, encoders: tuple[str, ...] = (ENCODER,)) -> None:
         plain = zmq.Context.shadow(ctx.underlying)
-        self.inboxes = {a: transport.make_socket(plain, zmq.PULL, a, bind=True) for a in GENERATORS + [ENCODER]}
+        self.inboxes = {a: transport.make_socket(plain, zmq.PULL, a, bind=True) for a in GENERATORS + list(encoders)}
 
     def received(self, address: str) -> list:
         out = []
@@ -57,14 +57,14 @@ def work(request_id: str, max_tokens: int) -> Work:
 
 
 @contextlib.asynccontextmanager
-async def dispatching(**options):
+async def dispatching(encoders: tuple[str, ...] = (ENCODER,), **options):
     """A dispatcher whose stages (the sockets of `Stages`) have all answered
     stats once, as incarnation "first"; closed with them afterwards."""
     ctx = zmq.asyncio.Context()
-    stages = Stages(ctx)
-    dispatcher = Dispatcher(ctx, "inproc://proxy", [ENCODER], GENERATORS, aggregated=False, **options)
+    stages = Stages(ctx, encoders)
+    dispatcher = Dispatcher(ctx, "inproc://proxy", list(encoders), GENERATORS, aggregated=False, **options)
     try:
-        for address in GENERATORS + [ENCODER]:
+        for address in GENERATORS + list(encoders):
             dispatcher._on_message(stats(address, "first"))
         yield dispatcher, stages
     finally:

@@ -173,14 +173,16 @@ class _Replies:
 @contextmanager
 def generator_receiver(replies):
     """stages/generator.py's receiver thread on an inproc socket, with a
-    stand-in service (stats to answer with; disaggregated: no image decoding)."""
+    stand-in service (stats to answer with; disaggregated: no image decoding,
+    no tower for fallback encodes)."""
     ctx = zmq.Context()
     address = f"inproc://fuzz-generator-{id(ctx)}"
     inbox = transport.make_socket(ctx, zmq.PULL, address, bind=True)
     sender = transport.make_socket(ctx, zmq.PUSH, address, bind=False)
     inbound: queue.SimpleQueue = queue.SimpleQueue()
     stop = threading.Event()
-    service = SimpleNamespace(latest_stats=protocol.StageStats("generator", "g0", {}, {}), decode_images=None)
+    service = SimpleNamespace(latest_stats=protocol.StageStats("generator", "g0", {}, {}), decode_images=None,
+                              local=None)
     thread = threading.Thread(target=receive, args=(inbox, inbound, stop, service, replies), daemon=True)
     thread.start()
     try:

@@ -73,6 +73,17 @@ def test_auto_on_cuda_reserves_the_vision_forward_in_aggregated_mode(tiny_model,
     epd = kv_cache_bytes(parse_args(flags), tiny_model, cuda)[0]
     aggregated = kv_cache_bytes(parse_args([*flags, "--mode", "aggregated"]), tiny_model, cuda)[0]
     assert epd > aggregated
+    # An EPD generator that may encode for itself keeps the same room for it.
+    assert kv_cache_bytes(parse_args([*flags, "--encode-fallback", "local"]), tiny_model, cuda)[0] == aggregated
+
+
+def test_encode_fallback_is_for_epd_generators(capsys):
+    assert parse_args(ADDRESS).encode_fallback == "off"
+    assert parse_args([*ADDRESS, "--encode-fallback", "local"]).encode_fallback == "local"
+    with pytest.raises(SystemExit):
+        parse_args([*ADDRESS, "--mode", "aggregated", "--encode-fallback", "local"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--encode-fallback is for --mode epd" in err
 
 
 def test_auto_on_a_full_gpu_is_a_value_error_naming_the_flags(tiny_model, fake_h200):

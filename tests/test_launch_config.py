@@ -101,6 +101,27 @@ def test_the_engine_flags_parse_in_the_generator_and_the_proxy(tiny_dir):
     assert parsed.max_images == 2 and parsed.max_model_len == 1024
 
 
+def test_encode_fallback_goes_to_the_generators_and_the_proxy(tmp_path, tiny_dir, capsys):
+    from stages.generator import parse_args as generator_args
+    from stages.proxy import parse_args as proxy_args
+
+    args = cli.parse_args(["--config", str(write(tmp_path, "encode-fallback: local\n")), "--model", str(tiny_dir),
+                           "--device", "cpu"])
+    specs = plan_stages(cli.build_options(args), HostFacts(gpu_count=0))
+    parsed = {s.role: (generator_args if s.role == "generator" else proxy_args)(list(s.args))
+              for s in specs if s.role != "encoder"}
+    assert parsed["generator"].encode_fallback == "local" and parsed["proxy"].encode_fallback == "local"
+    assert "--encode-fallback=local" not in " ".join(a for s in specs if s.role == "encoder" for a in s.args)
+    default = plan_stages(cli.build_options(cli.parse_args(["--model", str(tiny_dir), "--device", "cpu"])),
+                          HostFacts(gpu_count=0))
+    assert not any("--encode-fallback" in a for s in default for a in s.args)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--mode", "aggregated", "--encode-fallback", "local"])
+    assert "--encode-fallback is for --mode epd" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="allowed: off, local"):
+        load_config(write(tmp_path, "encode-fallback: remote\n"))
+
+
 def test_a_file_of_every_key_round_trips():
     every = LaunchFile(generators=2, served_model_name="one", gpus=[1], allowed_origins=["*"],
                        limit_mm_per_prompt={"image": 1}, stage_arg=["proxy=--max-images=3"])

@@ -20,8 +20,11 @@ def on_announce(service, message: protocol.EncoderAnnounce) -> None:
         service.reader.open(message.arena)
     except Exception as exc:   # a bad announcement must not stop this generator
         log.warning("cannot open the arena that encoder %s announced: %s", message.encoder_id, exc)
-        service._give_up(service.waiting_for_arena.take_from(message.encoder_id),
-                     f"encoder {message.encoder_id}'s arena cannot be opened here: {exc}")
+        reason = f"image embedding unreadable: encoder {message.encoder_id}'s arena cannot be opened here: {exc}"
+        for ready in service.waiting_for_arena.take_from(message.encoder_id):
+            # Asked again, the same encoder would hand over the same arena: the requests fail.
+            service._release(ready)
+            service._fail_key(ready.content_hash, reason)
         return
     service.encoder_arenas[message.encoder_id] = message.arena.arena_id
     width = service.engine.model.spec.embedding_width

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,8 +34,11 @@ from pipeline.generator.arena_waits import ArenaWaits
 from pipeline.generator.early_arrivals import EarlyArrivals
 from pipeline.generator.internal import AskerRestarted, PreparedRequest
 from pipeline.generator.key_sources import KeySources
+from pipeline.generator.local_encode import DecodedJob, LocalEncoder, encode_local, refuse_job
 from pipeline.generator.parking import ParkedEmbeddings
 from pipeline.generator.recent_ids import RecentIds
+from pipeline.generator.refetch import (Refetches, expire_refetches, handed_back, lost_handles, refetch_evicted,
+                                        want_again)
 from pipeline.generator.stats import generator_stats
 from pipeline.processing.processor import MultimodalPrompt
 
@@ -62,7 +66,7 @@ class GeneratorService:
                  send: Callable[[str, protocol.Message], bool],
                  encoders: list[str], embedding_timeout: float = 60.0,
                  decode_images: Callable | None = None, heartbeat_interval: float = 1.0,
-                 rings: dict[str, ring.Consumer] | None = None) -> None:
+                 rings: dict[str, ring.Consumer] | None = None, local: LocalEncoder | None = None) -> None:
         self.engine = engine
         self.address = address
         self.device = device
@@ -70,6 +74,7 @@ class GeneratorService:
         self.encoders = encoders
         self.embedding_timeout = embedding_timeout
         self.decode_images = decode_images   # aggregated mode: media bytes -> [(pixels, grid)]
+        self.local = local   # --encode-fallback local: its own tower, for jobs sent while no encoder is up
         self.heartbeat_interval = heartbeat_interval
         # Same-host encoders put EmbeddingReady here rather than on the socket
         # (pipeline/arena/ring.py): encoder address -> the ring it writes.
@@ -78,6 +83,7 @@ class GeneratorService:
         self.reader = ArenaReader(device)
         self.tracked: dict[str, _Tracked] = {}
         self.key_sources = KeySources(KEY_SOURCE_MEMORY_S)   # where to refetch an evicted embedding
+        self.refetches = Refetches(embedding_timeout)   # keys asked for again (refetch.py)
         self.encoder_addresses: dict[str, str] = {}  # encoder id -> inbox address, from announcements
         self.encoder_arenas: dict[str, str] = {}     # encoder id -> the arena it announced last
         self.waiting_for_arena = ArenaWaits(ARENA_WAIT_S)
@@ -88,7 +94,7 @@ class GeneratorService:
         self.early = EarlyArrivals(EARLY_MEMORY_S)   # embeddings that overtook their requests
         self.parking = ParkedEmbeddings()   # announced, left in the arena until there is room here
         self.copies: list = []   # (PendingRead, EmbeddingReady, encoder address) not yet released
-        self.counters: dict[str, int] = {"requests": 0, "errors": 0, "embeddings": 0, "parked": 0}
+        self.counters: Counter[str] = Counter({"requests": 0, "errors": 0, "embeddings": 0, "parked": 0})
         self.incarnation, self.started_at = protocol.new_incarnation(), time.time()
         self._last_heartbeat = 0.0
         # Refreshed by the engine thread each loop; the receiver thread answers
@@ -123,6 +129,7 @@ class GeneratorService:
                 lane.awake()
             self._drain_rings()
             self._finish_copies()
+            encode_local(self)
             self._unpark()
             self._expire_overdue()
             self._heartbeat()
@@ -136,7 +143,7 @@ class GeneratorService:
                 stepped = time.perf_counter()
                 for output in outputs:
                     self._emit(output)
-                self._refetch()
+                refetch_evicted(self)
                 self.engine.profile.outside_s += before + time.perf_counter() - stepped
         self._drain_rings()     # handles written to us are leased: take them to release them
         for ready in self.parking.drop_gone(lambda _: True):
@@ -182,9 +189,15 @@ class GeneratorService:
             self._on_generate(message)
         elif isinstance(message, protocol.EmbeddingReady):
             self._on_embedding(message)
-        elif isinstance(message, protocol.EncodeFailed):
-            self._fail_key(message.content_hash, f"image encoding failed: {message.reason}",
-                           500 if message.retryable else 400)
+        elif isinstance(message, protocol.EncodeFailed):   # from a FetchEmbedding (proxies get their jobs')
+            if message.retryable:
+                want_again(self, message.content_hash, message.reason)
+            else:
+                self._fail_key(message.content_hash, f"image encoding failed: {message.reason}", 400)
+        elif isinstance(message, DecodedJob):
+            self.local.queue.append(message)
+        elif isinstance(message, protocol.EncodeJob):   # a receiver without a tower passes them on
+            refuse_job(self, message)
         elif isinstance(message, protocol.AbortRequest):
             for request_id in message.request_ids:
                 if self.tracked.pop(request_id, None) is None:
@@ -256,8 +269,9 @@ class GeneratorService:
                     self._hello(address)
             return
         if self._request_gone(ready):
-            self._release(ready)    # its request is over: nothing here will read it
+            handed_back(self, ready)    # its request is over: nothing here will read it
             return
+        self.refetches.answered(ready.content_hash)
         if not unparked and (self.parking.parked or not self.parking.has_room(self.engine, ready)):
             self.parking.park(ready)   # behind those parked before it (pipeline/generator/parking.py)
             self.counters["parked"] += 1
@@ -271,28 +285,32 @@ class GeneratorService:
             pending = self.reader.read_async(ready.handle, device=self.device)
         except (StaleHandleError, ValueError) as exc:   # reused blocks, or a handle outside the arena
             self.send(encoder, protocol.ReleaseLease((ready.lease_id,), self.address))
-            self._fail_key(ready.content_hash, f"image embedding lost: {exc}")
+            want_again(self, ready.content_hash, f"unreadable: {exc}")
             return
         self.copies.append((pending, ready, encoder))
-        embedding = pending.tensor
         self.counters["embeddings"] += 1
         self.key_sources.remember(ready.content_hash, encoder)
+        self.take_embedding(ready.request_id, ready.content_hash, pending.tensor)
+
+    def take_embedding(self, request_id: str, key: str, embedding: torch.Tensor) -> None:
+        """An embedding is here (copied from an arena, or encoded by this generator)."""
+        self.refetches.arrived(key)
         try:
-            self.engine.add_embedding(ready.content_hash, embedding)
+            self.engine.add_embedding(key, embedding)
         except ValueError as exc:
-            self._fail_key(ready.content_hash, str(exc), 400)
+            self._fail_key(key, str(exc), 400)
             return
         for tracked in self.tracked.values():
-            tracked.missing.discard(ready.content_hash)
-        if ready.request_id not in self.tracked:
-            self.early.hold(ready.request_id, ready.content_hash, embedding)
+            tracked.missing.discard(key)
+        if request_id not in self.tracked:
+            self.early.hold(request_id, key, embedding)
 
     def _request_gone(self, ready: protocol.EmbeddingReady) -> bool:
         return ready.request_id in self.ended or ready.request_id in self.aborted_early
 
     def _unpark(self) -> None:
         for ready in self.parking.drop_gone(self._request_gone):
-            self._release(ready)
+            handed_back(self, ready)
         while (ready := self.parking.next_fitting(self.engine)) is not None:
             self._on_embedding(ready, unparked=True)
 
@@ -319,13 +337,6 @@ class GeneratorService:
             if request is not None and any(s.key == key for s in request.image_spans):
                 self._fail(request_id, reason, status)
 
-    def _give_up(self, handles: list[protocol.EmbeddingReady], reason: str) -> None:
-        """Handles this generator cannot read: their leases go back, their
-        requests fail (the proxy's client gets the reason)."""
-        for ready in handles:
-            self._release(ready)
-            self._fail_key(ready.content_hash, f"image embedding unreadable: {reason}")
-
     def _release(self, ready: protocol.EmbeddingReady) -> None:
         """Give a handle's lease back unread."""
         encoder = self.encoder_addresses.get(ready.encoder_id)
@@ -344,8 +355,9 @@ class GeneratorService:
     def _expire_overdue(self) -> None:
         now = time.monotonic()
         self.early.expire(now)
-        self._give_up(self.waiting_for_arena.take_overdue(now),
-                      f"its encoder's arena was not announced within {ARENA_WAIT_S:g} s")
+        lost_handles(self, self.waiting_for_arena.take_overdue(now),
+                     f"its encoder's arena was not announced within {ARENA_WAIT_S:g} s")
+        expire_refetches(self, now)
         self.key_sources.prune(now, self.engine.scheduler.encoder_cache.is_needed)
         self.aborted_early.expire(now)     # aborts for requests that never came
         self.ended.expire(now)
@@ -367,19 +379,6 @@ class GeneratorService:
             output.request_id, output.new_token_ids, output.new_text, output.finished,
             output.finish_reason or "", output.num_prompt_tokens, output.num_output_tokens, logprobs=output.logprobs,
             phases=output.phases))
-
-    def _refetch(self) -> None:
-        keys, self.engine.refetch = self.engine.refetch, []
-        for key in keys:
-            address = self.key_sources.address_of(key)
-            users = self.engine.scheduler.encoder_cache.users(key)
-            if not address or not users:
-                self._fail_key(key, "image embedding evicted and its encoder is unknown")
-                continue
-            request = self.engine.scheduler.get_request(next(iter(users)))
-            length = next(s.item_tokens for s in request.image_spans if s.key == key)
-            self.send(address, protocol.FetchEmbedding(f"refetch-{key}", request.request_id, key,
-                                                        self.address, length))
 
     def _heartbeat(self) -> None:
         now = time.monotonic()

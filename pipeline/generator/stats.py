@@ -15,7 +15,9 @@ def generator_stats(service) -> protocol.StageStats:
               "encoder_cache_tokens": float(scheduler.encoder_cache.used_tokens),
               "pending_embeddings": float(len(service.engine.pending_embeddings)),
               "parked_embeddings": float(len(service.parking)),
-              "early_embeddings": float(len(service.early))}
+              "early_embeddings": float(len(service.early)),
+              "refetching_embeddings": float(len(service.refetches)),
+              "local_encode_queue": float(len(service.local.queue) if service.local is not None else 0)}
     counters = dict(service.counters, yields=scheduler.stats["yields_total"],
                     preemptions=scheduler.stats["preemptions_total"], **service.engine.profile.counters())
     return protocol.StageStats("generator", service.address, counters, gauges, service.address,

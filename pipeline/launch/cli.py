@@ -18,7 +18,7 @@ from pathlib import Path
 from pipeline import transport
 from pipeline.arg_parser import OneLineParser, image_size
 from pipeline.launch.auto_placement import PlanWorkload, choose_placement
-from pipeline.launch.config import ConfigError, dump_config, expand_config, settings_of
+from pipeline.launch.config import ENCODE_FALLBACKS, ConfigError, dump_config, expand_config, settings_of
 from pipeline.launch.placement import PLACEMENTS, describe
 from pipeline.launch.plan import (
     DEVICES, DTYPES, MODES, MPS_MODES, ROLES, LaunchError, LaunchOptions, host_facts, http_url, mps_config,
@@ -46,6 +46,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--mode", choices=MODES, default="epd",
                    help="aggregated: no encoders, generators run the vision tower themselves")
+    p.add_argument("--encode-fallback", choices=ENCODE_FALLBACKS, default="off",
+                   help="local: while no encoder is up, generators encode the images themselves (each loads the "
+                   "vision tower at start); off (default): image requests wait for an encoder")
     p.add_argument("--config", metavar="FILE", help="a YAML file of these flags (keys without the dashes; the "
                    "command line overrides it): see docs/operations.md")
     p.add_argument("--dtype", choices=("auto", *DTYPES), help="auto (default): bfloat16 on CUDA, float32 on CPU")
@@ -128,6 +131,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.output_len < 1:
         p.error("--output-len must be at least 1")
+    if args.mode == "aggregated" and args.encode_fallback != "off":
+        p.error("--encode-fallback is for --mode epd (aggregated generators encode every image themselves)")
     return args
 
 
@@ -184,6 +189,8 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
     for name in ("log_level", "log_format"):
         if getattr(args, name) is not None:
             out += [(role, f"--{name.replace('_', '-')}={getattr(args, name)}") for role in ROLES]
+    if args.encode_fallback != "off":
+        out += [(role, f"--encode-fallback={args.encode_fallback}") for role in ("generator", "proxy")]
     if args.max_model_len is not None:
         out.append(("proxy", f"--max-model-len={args.max_model_len}"))
     if args.limit_mm_per_prompt is not None:

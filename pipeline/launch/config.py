@@ -21,6 +21,8 @@ Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Placement = Literal["auto", "colocated", "dedicated"]
 Mps = Literal["auto", "on", "off"]
+EncodeFallback = Literal["off", "local"]
+ENCODE_FALLBACKS = typing.get_args(EncodeFallback)
 
 
 class ConfigError(ValueError):
@@ -38,6 +40,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     host: str | None = None
     port: int | None = None
     mode: Mode | None = None
+    encode_fallback: EncodeFallback | None = None
     dtype: Dtype | None = None
     device: Device | None = None
     gpus: list[int] | None = None

@@ -18,7 +18,14 @@ Failure handling:
 - a request whose generator is lost `max_attempts` times is not sent again
   but fails (503): the request may be what kills them, and resending it
   would take the generators down one after another;
-- a bad image (non-retryable failure) ends its request with an error.
+- a bad image (non-retryable failure) ends its request with an error;
+- a generator that lost an embedding its request still needs (its encoder
+  died before it was read, or it was evicted there too) asks for it again
+  (EmbeddingWanted): the job is sent again, from the media kept here until
+  the request ends, as the first time;
+- with `encode_fallback` "local", a job for which no encoder is up goes to
+  the request's generator, which encodes the media itself; once an encoder
+  answers again, jobs go to the encoders.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from pipeline.proxy.routing import encoder_order, least_loaded
 log = logging.getLogger("epd.proxy")
 
 ATTEMPT_MARK = "~"   # the request ids the proxy makes never contain it
+ENCODE_FALLBACKS = ("off", "local")
 
 
 def wire_id(request_id: str, attempt: int) -> str:
@@ -78,6 +86,7 @@ class Flight:
     resumed_from: int = 0      # tokens generated before the last move to another generator
     encoders: dict[str, list[str]] = field(default_factory=dict)   # job id -> encoders tried
     attempt: int = 0           # dispatches so far, less one
+    wanted: set[str] = field(default_factory=set)   # job ids its generator asked for again
 
     @property
     def wire_id(self) -> str:
@@ -87,7 +96,9 @@ class Flight:
 class Dispatcher:
     def __init__(self, ctx: zmq.asyncio.Context, address: str, encoders: list[str], generators: list[str],
                  aggregated: bool, max_in_flight: int = 1024, stage_timeout: float = 3.0,
-                 ping_interval: float = 0.5, max_attempts: int = 2) -> None:
+                 ping_interval: float = 0.5, max_attempts: int = 2, encode_fallback: str = "off") -> None:
+        if encode_fallback not in ENCODE_FALLBACKS:
+            raise ValueError(f"encode_fallback={encode_fallback!r}: want one of {ENCODE_FALLBACKS}")
         self.address = address
         self.inbox = transport.Inbox(ctx, address)
         self.outbox = transport.Outbox(ctx)
@@ -98,6 +109,8 @@ class Dispatcher:
         self.stage_timeout = stage_timeout
         self.ping_interval = ping_interval
         self.max_attempts = max_attempts
+        self.encode_fallback = encode_fallback
+        self.falling_back = False   # the last job went to a generator: no encoder was up
         self.flights: dict[str, Flight] = {}
         self.load: dict[str, int] = {g: 0 for g in generators}
         self.last_seen: dict[str, float] = {}
@@ -128,7 +141,9 @@ class Dispatcher:
         return seen is not None and time.monotonic() - seen < self.stage_timeout
 
     def healthy(self) -> bool:
-        stages = self.generators + ([] if self.aggregated else self.encoders)
+        # Generators that encode for themselves serve without encoders.
+        needs_encoders = not self.aggregated and self.encode_fallback == "off"
+        stages = self.generators + (self.encoders if needs_encoders else [])
         return all(self.up(a) for a in stages)
 
     # -------------------------------------------------------------- submit
@@ -162,17 +177,32 @@ class Dispatcher:
         self.outbox.try_send(flight.generator, request)
 
     def _send_job(self, flight: Flight, job: protocol.EncodeJob, tried: list[str]) -> bool:
-        order = [e for e in encoder_order(job.content_hash, self.encoders) if e not in tried]
-        live = [e for e in order if self.up(e)] or order
-        if not live:
+        target = self._job_target(flight, job, tried)
+        if target is None:
             return False
-        target = live[0]
         flight.encoders[job.job_id] = tried + [target]
         # Every other field (modality, a video's sampling) as the request built it.
         job = msgspec.structs.replace(job, request_id=flight.wire_id, consumer=flight.generator,
                                       reply_to=self.address)
         self.outbox.try_send(target, job)
         return True
+
+    def _job_target(self, flight: Flight, job: protocol.EncodeJob, tried: list[str]) -> str | None:
+        """The first live encoder in the job's hash order that has not had
+        it; with no live one, the request's generator under fallback "local",
+        else the first untried encoder (it may be back before it is seen)."""
+        order = [e for e in encoder_order(job.content_hash, self.encoders) if e not in tried]
+        live = [e for e in order if self.up(e)]
+        fallback = not live and self.encode_fallback == "local" and flight.generator not in tried
+        if (live or fallback) and fallback != self.falling_back:   # one line per change, not per job
+            self.falling_back = fallback
+            if fallback:
+                log.warning("no encoder is up: generators encode the images themselves (--encode-fallback local)")
+            else:
+                log.warning("an encoder is up: encode jobs go to the encoders again")
+        if fallback:
+            return flight.generator
+        return (live or order or [None])[0]
 
     def abort(self, request_id: str) -> bool:
         """End a request here and at its generator; False if it had ended."""
@@ -193,6 +223,8 @@ class Dispatcher:
             self._on_delta(message)
         elif isinstance(message, protocol.EncodeFailed):
             self._on_encode_failed(message)
+        elif isinstance(message, protocol.EmbeddingWanted):
+            self._on_wanted(message)
         elif isinstance(message, protocol.StageStats):
             self.last_seen[message.address] = time.monotonic()
             self.stats[message.address] = message
@@ -242,6 +274,24 @@ class Dispatcher:
             return
         # The reason names the item ("bad image: ...", "bad video: ...").
         self._fail(flight, f"media could not be encoded: {failed.reason}", 500 if failed.retryable else 400)
+
+    def _on_wanted(self, wanted: protocol.EmbeddingWanted) -> None:
+        """Encode again what a generator lost, from the media kept here."""
+        flight = self._current(wanted.request_id)
+        if flight is None:   # ended here, or an earlier attempt: its generator should drop it
+            self.outbox.try_send(wanted.consumer, protocol.AbortRequest((wanted.request_id,)))
+            return
+        for key in wanted.content_hashes:
+            job = next((j for j in flight.work.jobs if j.content_hash == key), None)
+            # Not to an encoder that went silent on it, unless there is no other.
+            silent = [wanted.encoder] if wanted.encoder else []
+            if job is None or not (self._send_job(flight, job, silent) or self._send_job(flight, job, [])):
+                self._fail(flight, f"an image embedding was lost ({wanted.reason}) and cannot be encoded again; "
+                           "retry the request", 503)
+                return
+            flight.wanted.add(job.job_id)
+        log.warning("request %s: its generator lost %d image embedding(s) (%s): encoding them again",
+                    flight.work.request.request_id, len(wanted.content_hashes), wanted.reason)
 
     def fail_all(self, reason: str, status: int) -> None:
         """End every request in flight with an error (a proxy that stops)."""
@@ -314,15 +364,16 @@ class Dispatcher:
     def _after_restart(self, address: str) -> None:
         """What a stage restarted in place held died with its predecessor:
         its requests move (it may take them again), and the encode jobs it
-        had are sent again for requests that have no token yet (the others
-        have read their embeddings)."""
+        had are sent again for requests that have no token yet, and those
+        asked for again (the others have read their embeddings)."""
         for flight in list(self.flights.values()):
             if flight.generator == address:
                 self._redispatch(flight, exclude_current=False)
-            elif not self.aggregated and flight.first_token_at is None:
+            elif not self.aggregated:
                 for job in flight.work.jobs:
                     tried = flight.encoders.get(job.job_id, [])
-                    if tried and tried[-1] == address:
+                    needed = flight.first_token_at is None or job.job_id in flight.wanted
+                    if needed and tried and tried[-1] == address:
                         self._send_job(flight, job, tried[:-1])
 
     def _finish_lost(self, flight: Flight) -> None:

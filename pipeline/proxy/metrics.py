@@ -61,7 +61,9 @@ class ProxyMetrics:
 
 # Which StageStats entries become which series.
 _STAGE_COUNTERS = {"epd_yields": ("generator", "yields"), "epd_preemptions": ("generator", "preemptions"),
-                   "epd_encoder_ring_wakes": ("encoder", "ring_wakes")}
+                   "epd_encoder_ring_wakes": ("encoder", "ring_wakes"),
+                   # Images a generator encoded itself while no encoder was up (--encode-fallback local).
+                   "epd_encode_fallback_local": ("generator", "fallback_encodes")}
 _STAGE_GAUGES = {
     "epd_arena_bytes_used": ("encoder", "arena_bytes_used"),
     "epd_arena_leases": ("encoder", "arena_leases"),
@@ -86,6 +88,8 @@ _LABELLED_COUNTERS = (
     ("epd_encoder_images", "Images decoded and run through the vision tower", "encoder", "images.", "phase", 1),
     ("epd_encoder_handoffs", "Embeddings handed to generators, by lane (a same-host ring, or the socket)",
      "encoder", "handoffs.", "lane", 1),
+    ("epd_embedding_refetches", "Embeddings a generator lost and asked for again: of their encoder, of the "
+     "proxy (encoded again), or failed (its requests ended with a 503)", "generator", "refetches.", "how", 1),
 )
 
 
