@@ -20,6 +20,7 @@ from pipeline import protocol
 from pipeline.arena.store import ArenaStore
 from pipeline.encoder.backpressure import DECODED_BACKLOG_BATCHES
 from pipeline.encoder.service import EncoderService, EncoderSettings
+from pipeline.engine.engine import Engine
 from pipeline.generator.internal import DecodeSkips
 from pipeline.generator.media_budget import HeldBytes
 from pipeline.generator.parking import ParkedEmbeddings
@@ -71,7 +72,9 @@ def test_an_aborted_request_skips_its_decode_and_only_queued_ones_are_remembered
 def fake_engine(used: int, capacity: int, pending_rows: list[int]):
     cache = SimpleNamespace(used_tokens=used, capacity_tokens=capacity)
     pending = {f"p{i}": (torch.zeros(rows, 2), 0.0) for i, rows in enumerate(pending_rows)}
-    return SimpleNamespace(scheduler=SimpleNamespace(encoder_cache=cache), pending_embeddings=pending)
+    state = SimpleNamespace(scheduler=SimpleNamespace(encoder_cache=cache), pending_embeddings=pending)
+    # Engine.has_room_for's own arithmetic, over these numbers (parking asks only that).
+    return SimpleNamespace(has_room_for=lambda tokens: Engine.has_room_for(state, tokens))
 
 
 def announcement(request_id: str, key: str, rows: int) -> protocol.EmbeddingReady:

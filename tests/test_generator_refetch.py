@@ -4,6 +4,7 @@ fallback encodes run the tower on what the receiver decoded."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -13,13 +14,41 @@ import torch
 
 from pipeline import protocol
 from pipeline.engine.encoder_cache import EncoderCache
+from pipeline.generator.early_arrivals import EarlyArrivals
 from pipeline.generator.key_sources import KeySources
 from pipeline.generator.local_encode import DecodedJob, LocalEncoder, decode_job, encode_local
 from pipeline.generator.media_budget import HeldBytes
 from pipeline.generator.refetch import (FETCH_WAIT_S, MAX_WANTS, Refetches, expire_refetches, handed_back,
                                         refetch_evicted, want_again)
+from pipeline.generator.requests import RequestTable
 
 WANT_S = 20.0
+
+
+class FakeEngine:
+    """The Engine queries refetch.py and intake.py make, over a real encoder cache."""
+
+    def __init__(self, cache: EncoderCache, requests: dict) -> None:
+        self.cache, self.requests = cache, requests
+        self.refetch: list[str] = []
+        self.added: list[tuple[str, tuple]] = []
+
+    def take_refetches(self) -> list[str]:
+        keys, self.refetch = self.refetch, []
+        return keys
+
+    def embedding_users(self, key):
+        return self.cache.users(key)
+
+    def embedding_needed(self, key) -> bool:
+        return self.cache.is_needed(key)
+
+    def request_image_tokens(self, request_id, key):
+        request = self.requests.get(request_id)
+        return next((s.item_tokens for s in request.image_spans if s.key == key), None) if request else None
+
+    def add_embedding(self, key, embedding) -> None:
+        self.added.append((key, tuple(embedding.shape)))
 
 
 class FakeService:
@@ -28,36 +57,34 @@ class FakeService:
 
     def __init__(self, users: dict[str, list[str]], sources: dict[str, str] | None = None) -> None:
         cache = EncoderCache(1000)
-        self.requests = {}
+        known = {}
         for key, rids in users.items():
             for rid in rids:
                 cache.add_user(key, rid)
-                self.requests[rid] = SimpleNamespace(request_id=rid, image_spans=[SimpleNamespace(key=key,
-                                                                                                  item_tokens=16)])
-        self.engine = SimpleNamespace(refetch=[], scheduler=SimpleNamespace(encoder_cache=cache,
-                                                                            get_request=self.requests.get))
+                known[rid] = SimpleNamespace(request_id=rid, image_spans=[SimpleNamespace(key=key, item_tokens=16)])
+        self.engine = FakeEngine(cache, known)
         self.key_sources = KeySources(60.0)
         for key, address in (sources or {}).items():
             self.key_sources.remember(key, address)
-        self.tracked = {rid: SimpleNamespace(reply_to=f"proxy-of-{rid}") for rid in self.requests}
+        self.requests = RequestTable()
+        for rid in known:
+            self.requests.track(rid, f"proxy-of-{rid}", math.inf)
         self.refetches = Refetches(WANT_S)
+        self.early = EarlyArrivals(60.0)
         self.counters: Counter[str] = Counter()
         self.address = "gen"
-        self.sent, self.failed, self.released, self.taken = [], [], [], []
-        self.local, self.ended, self.aborted_early = None, set(), set()
+        self.sent, self.failed, self.released = [], [], []
+        self.local = None
 
     def send(self, address, message) -> bool:
         self.sent.append((address, message))
         return True
 
-    def _fail_key(self, key, reason, status=500) -> None:
+    def fail_key(self, key, reason, status=500) -> None:
         self.failed.append((key, reason, status))
 
-    def _release(self, ready) -> None:
+    def release(self, ready) -> None:
         self.released.append(ready.lease_id)
-
-    def take_embedding(self, request_id, key, embedding) -> None:
-        self.taken.append((request_id, key, tuple(embedding.shape)))
 
     def take_sent(self) -> list:
         sent, self.sent = self.sent, []
@@ -201,9 +228,10 @@ def test_encode_local_hands_embeddings_to_the_engine_and_failures_to_the_proxy()
     service.local = LocalEncoder(fake_forward([]), None, torch.device("cpu"), max_tokens=100)
     service.local.queue.extend([decoded("a", 6), DecodedJob(job("bad", 6), error="bad image: empty"),
                                 decoded("ended", 6)])
-    service.ended.add("ended")
+    service.requests.end("ended")
     encode_local(service)
-    assert service.taken == [("a", "key-a", (6, 8))] and service.counters["fallback_encodes"] == 1
+    assert service.engine.added == [("key-a", (6, 8))] and service.counters["fallback_encodes"] == 1
+    assert [(k, tuple(t.shape)) for k, t in service.early.claim("a")] == [("key-a", (6, 8))]   # "a" not here yet
     ((address, failed),) = service.sent
     assert address == "proxy-of-bad" and isinstance(failed, protocol.EncodeFailed)
     assert (failed.job_id, failed.retryable, failed.encoder_id) == ("bad/0", False, "gen")

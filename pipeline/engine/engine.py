@@ -210,6 +210,56 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ------------------------------------------------- what the generator asks
+
+    def embedding_needed(self, key: str) -> bool:
+        """Some request here still needs the embedding of `key`."""
+        return self.scheduler.encoder_cache.is_needed(key)
+
+    def embedding_users(self, key: str) -> frozenset[str]:
+        """The ids of the requests that need the embedding of `key`."""
+        return self.scheduler.encoder_cache.users(key)
+
+    def holds_embedding(self, key: str) -> bool:
+        """The embedding of `key` is here: in the cache, or pending."""
+        return self.scheduler.embedding_available(key) or key in self.pending_embeddings
+
+    def has_room_for(self, tokens: int) -> bool:
+        """An embedding of `tokens` rows fits beside the cache and the pending
+        ones (always, with nothing pending: a large one is never stuck)."""
+        if not self.pending_embeddings:
+            return True
+        cache = self.scheduler.encoder_cache
+        pending = sum(embedding.shape[0] for embedding, _ in self.pending_embeddings.values())
+        return cache.used_tokens + pending + tokens <= cache.capacity_tokens
+
+    def take_refetches(self) -> list[str]:
+        """The keys evicted (or lost to a preemption) since the last call."""
+        keys, self.refetch = self.refetch, []
+        return keys
+
+    def request_image_tokens(self, request_id: str, key: str) -> int | None:
+        """How many rows of `key`'s embedding the request takes; None if the
+        request is not here or does not use `key`."""
+        request = self.scheduler.get_request(request_id)
+        spans = [s for s in request.image_spans if s.key == key] if request is not None else []
+        return spans[0].item_tokens if spans else None
+
+    def load(self) -> dict[str, float]:
+        """Gauges of the queues and caches, for the generator's stats."""
+        scheduler = self.scheduler
+        return {"kv_blocks_used": float(scheduler.block_pool.num_used),
+                "kv_blocks_total": float(scheduler.block_pool.num_used + scheduler.block_pool.num_free),
+                "running": float(scheduler.num_running), "waiting": float(scheduler.num_waiting),
+                "encoder_cache_tokens": float(scheduler.encoder_cache.used_tokens),
+                "pending_embeddings": float(len(self.pending_embeddings))}
+
+    def counters(self) -> dict[str, int]:
+        """Counters since start: scheduler yields and preemptions, step profile."""
+        stats = self.scheduler.stats
+        return {"yields": stats["yields_total"], "preemptions": stats["preemptions_total"],
+                **self.profile.counters()}
+
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from pipeline import protocol
+from pipeline.generator.intake import on_embedding
 
 log = logging.getLogger("epd.generator")
 
@@ -23,8 +24,8 @@ def on_announce(service, message: protocol.EncoderAnnounce) -> None:
         reason = f"image embedding unreadable: encoder {message.encoder_id}'s arena cannot be opened here: {exc}"
         for ready in service.waiting_for_arena.take_from(message.encoder_id):
             # Asked again, the same encoder would hand over the same arena: the requests fail.
-            service._release(ready)
-            service._fail_key(ready.content_hash, reason)
+            service.release(ready)
+            service.fail_key(ready.content_hash, reason)
         return
     service.encoder_arenas[message.encoder_id] = message.arena.arena_id
     width = service.engine.model.spec.embedding_width
@@ -33,4 +34,4 @@ def on_announce(service, message: protocol.EncoderAnnounce) -> None:
         log.error("encoder %s makes image embeddings %d wide; this generator's model takes %d",
                   message.encoder_id, message.widths["image"], width)
     for ready, since in service.waiting_for_arena.take_all():
-        service._on_embedding(ready, since)
+        on_embedding(service, ready, since)

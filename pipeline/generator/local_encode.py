@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline import protocol
+from pipeline.generator.intake import take_embedding
 from pipeline.generator.media_budget import HeldBytes
 
 log = logging.getLogger("epd.generator")
@@ -118,14 +119,14 @@ def encode_local(service) -> None:
     embeddings to the engine, answer failures to the jobs' senders."""
     if service.local is None or not service.local.queue:
         return
-    for result in service.local.encode_some(lambda rid: rid in service.ended or rid in service.aborted_early):
+    for result in service.local.encode_some(service.requests.gone):
         job = result.job
         if result.embedding is None:
             service.send(job.reply_to, protocol.EncodeFailed(job.job_id, job.request_id, job.content_hash,
                                                              result.error, result.retryable, service.address))
             continue
         service.counters["fallback_encodes"] += 1
-        service.take_embedding(job.request_id, job.content_hash, result.embedding)
+        take_embedding(service, job.request_id, job.content_hash, result.embedding)
 
 
 def refuse_job(service, job: protocol.EncodeJob) -> None:

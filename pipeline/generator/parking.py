@@ -32,12 +32,7 @@ class ParkedEmbeddings:
         return len(self.parked)
 
     def has_room(self, engine: Engine, ready: protocol.EmbeddingReady) -> bool:
-        pending = engine.pending_embeddings
-        if not pending:
-            return True
-        cache = engine.scheduler.encoder_cache
-        pending_tokens = sum(embedding.shape[0] for embedding, _ in pending.values())
-        return cache.used_tokens + pending_tokens + ready.handle.shape[0] <= cache.capacity_tokens
+        return engine.has_room_for(ready.handle.shape[0])
 
     def park(self, ready: protocol.EmbeddingReady) -> None:
         self.parked.append(ready)

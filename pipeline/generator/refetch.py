@@ -99,10 +99,9 @@ class Refetches:
 def refetch_evicted(service) -> None:
     """After a step: ask again for the keys the engine evicted (or lost to a
     preemption) that some request still needs."""
-    keys, service.engine.refetch = service.engine.refetch, []
     now = time.monotonic()
-    for key in keys:
-        users = service.engine.scheduler.encoder_cache.users(key)
+    for key in service.engine.take_refetches():
+        users = service.engine.embedding_users(key)
         if not users:
             continue
         address = service.key_sources.address_of(key)
@@ -111,9 +110,9 @@ def refetch_evicted(service) -> None:
             continue
         if not service.refetches.start_fetch(key, now):
             continue
-        request = service.engine.scheduler.get_request(next(iter(users)))
-        length = next(s.item_tokens for s in request.image_spans if s.key == key)
-        service.send(address, protocol.FetchEmbedding(f"{FETCH_JOB}{key}", request.request_id, key, service.address,
+        request_id = next(iter(users))
+        length = service.engine.request_image_tokens(request_id, key)
+        service.send(address, protocol.FetchEmbedding(f"{FETCH_JOB}{key}", request_id, key, service.address,
                                                       length))
         service.counters["refetches.encoder"] += 1
 
@@ -122,7 +121,7 @@ def want_again(service, key: str, reason: str, silent_encoder: str = "") -> None
     """Ask the proxies of the requests that need `key` to have it encoded
     again (not by `silent_encoder`, which let it down); or, lost too often,
     fail those requests."""
-    requests = [rid for rid in service.engine.scheduler.encoder_cache.users(key) if rid in service.tracked]
+    requests = [rid for rid in service.engine.embedding_users(key) if rid in service.requests]
     if not requests:
         service.refetches.arrived(key)   # nobody here waits for it
         return
@@ -131,7 +130,7 @@ def want_again(service, key: str, reason: str, silent_encoder: str = "") -> None
         return
     log.warning("image embedding %s lost (%s): asking the proxy for it again", key[:16], reason)
     for request_id in requests:
-        service.send(service.tracked[request_id].reply_to,
+        service.send(service.requests.get(request_id).reply_to,
                      protocol.EmbeddingWanted(request_id, (key,), service.address, reason, silent_encoder))
     service.counters["refetches.proxy"] += 1
 
@@ -140,7 +139,7 @@ def lost_handles(service, handles: list[protocol.EmbeddingReady], reason: str) -
     """Announced handles this generator will not read (their arena never
     opened here: the encoder died or restarted): leases back, keys asked for again."""
     for ready in handles:
-        service._release(ready)
+        service.release(ready)
         want_again(service, ready.content_hash, reason, service.encoder_addresses.get(ready.encoder_id, ""))
 
 
@@ -148,7 +147,7 @@ def handed_back(service, ready: protocol.EmbeddingReady) -> None:
     """A handle given back unread because its request is gone. If it was
     the answer to a FetchEmbedding, the key's other users still wait for
     one (a job asked for again at the proxy brings each request its own)."""
-    service._release(ready)
+    service.release(ready)
     if ready.job_id.startswith(FETCH_JOB) and ready.content_hash in service.refetches:
         want_again(service, ready.content_hash, "the request it was asked for ended")
 
@@ -156,11 +155,11 @@ def handed_back(service, ready: protocol.EmbeddingReady) -> None:
 def give_up(service, key: str, reason: str) -> None:
     service.refetches.arrived(key)
     service.counters["refetches.failed"] += 1
-    service._fail_key(key, f"image embedding lost and not delivered again: {reason}; retry the request", 503)
+    service.fail_key(key, f"image embedding lost and not delivered again: {reason}; retry the request", 503)
 
 
 def expire_refetches(service, now: float) -> None:
-    unanswered, late = service.refetches.overdue(now, service.engine.scheduler.encoder_cache.is_needed)
+    unanswered, late = service.refetches.overdue(now, service.engine.embedding_needed)
     for key in unanswered:
         want_again(service, key, f"its encoder did not answer within {FETCH_WAIT_S:g} s",
                    service.key_sources.address_of(key))
