@@ -65,6 +65,13 @@ class ProxyApp(ManyChoices):
 
     async def _start(self, app) -> None:
         self.dispatcher.start()
+        # The port opens after this: a proxy restarted under load would
+        # otherwise refuse its first requests ("no generator is available")
+        # until the stages' first stats replies arrive. A refused connection
+        # is safe for a client to retry; a 503 is not always retried.
+        deadline = time.monotonic() + self.dispatcher.stage_timeout
+        while not self.dispatcher.healthy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         self._client_watch = asyncio.create_task(self._watch_clients())
         if self.policy.allow_http:
             self.session = guarded_session(self.policy)
