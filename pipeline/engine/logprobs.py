@@ -10,8 +10,8 @@ log-probability table. The chosen tokens may still be on the device
 reaches the host in the same copy as the tokens.
 
 (A two-stage top-k, by 2,048-token chunks and then over the chunks' picks,
-took 0.26 ms on the H200 at batch 32 against torch's whole-row 0.12:
-docs/benchmarks.md.)
+was no faster on the H200 at batch 32: 0.26 and 0.13 ms in two runs against
+torch's whole-row 0.115 and 0.131; docs/benchmarks.md.)
 """
 
 from __future__ import annotations
