@@ -129,7 +129,11 @@ def test_with_every_encoder_dead_the_generator_encodes_and_no_request_fails(fall
             return list(pool.map(lambda i: chat(stack, [images[i]], f"image {i}", max_tokens=4, ignore_eos=True),
                                  range(60)))
 
+    # With the fallback on, /health does not wait for the encoders: a box
+    # slower to load them would encode the first requests locally.
+    until(lambda: stack.total("epd_stage_up", stage="encoder") == 3, "the encoders did not come up", 120)
     expected = all_60()
+    assert stack.total("epd_encode_fallback_local_total") == 0
     for name in ("enc0", "enc1", "enc2"):
         stack.stop_stage(name, signal.SIGKILL)
     until(lambda: stack.total("epd_stage_up", stage="encoder") == 0, "the proxy still sees an encoder up")
