@@ -91,6 +91,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "encode them themselves (start them with the same flag); off: they wait for an encoder")
     p.add_argument("--stage-timeout", type=float, default=3.0,
                    help="seconds without a stage's stats reply before it counts as down and its requests move")
+    p.add_argument("--orphan-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds the requests of a generator that looks down wait, while no other generator is "
+                   "up, for it to answer again, restart, or another to come up; then they fail with 503")
     add_log_flags(p)
     args = p.parse_args(argv)
     args.encoders, args.generators = _addresses(args.encoders), _addresses(args.generators)
@@ -106,6 +109,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--drain-timeout must be >= 0 seconds")
     if not args.stage_timeout > 0.5:    # stats are asked for every 0.5 s
         p.error("--stage-timeout must be more than 0.5 seconds")
+    if not args.orphan_timeout >= 0:
+        p.error("--orphan-timeout must be >= 0 seconds")
     return args
 
 
@@ -150,7 +155,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout,
-                            encode_fallback=args.encode_fallback)
+                            encode_fallback=args.encode_fallback, orphan_timeout=args.orphan_timeout)
     policy = FetchPolicy(args.max_image_bytes, tuple(args.allow_file_dir), not args.disable_http_media,
                          args.media_fetch_timeout, tuple(d.lower() for d in args.allowed_media_domains))
     access = AccessPolicy(args.api_key or None, args.api_key_all_routes, args.allowed_origins,

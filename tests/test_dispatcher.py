@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import types
 import time
 
 import pytest
@@ -13,7 +14,8 @@ import zmq.asyncio
 
 from pipeline import protocol, transport
 from pipeline.proxy.api_types import ApiError
-from pipeline.proxy.dispatcher import Dispatcher, Work, parse_wire_id, wire_id
+from pipeline.proxy.dispatcher import Dispatcher
+from pipeline.proxy.flights import Work, parse_wire_id, wire_id
 from pipeline.proxy.server import ProxyApp
 
 GENERATORS = ["inproc://g0", "inproc://g1"]
@@ -159,3 +161,111 @@ def test_a_stopping_proxy_ends_what_outlasts_its_drain_and_sends_nothing_more():
             assert not dispatcher.flights and not any(stages.received(a) for a in GENERATORS)
 
     asyncio.run(scenario())
+
+
+def look_down(dispatcher: Dispatcher, *addresses: str) -> None:
+    """As if their last stats reply came longer ago than the down timeout."""
+    for address in addresses:
+        dispatcher.last_seen[address] = time.monotonic() - dispatcher.stage_timeout - 1
+
+
+def test_requests_wait_while_no_generator_is_up_and_go_on_where_they_are_when_it_answers():
+    """Both generators late at once (a loaded box): nothing moves or fails;
+    the late one answers again and its request just goes on."""
+    async def scenario():
+        async with dispatching(orphan_timeout=60.0) as (dispatcher, stages):
+            flight = dispatcher.submit(work("r", max_tokens=10))
+            home = flight.generator
+            stages.received(home)
+            dispatcher._on_message(protocol.TokenDelta("r", (7,), "a"))
+            look_down(dispatcher, *GENERATORS)
+            for _ in range(2):
+                dispatcher._handle_down_stages()
+            assert flight.attempt == 0 and flight.orphaned_at is not None and "r" in dispatcher.flights
+            assert flight.deltas.qsize() == 1          # the one token, no error
+            assert not any(stages.received(a) for a in GENERATORS)   # no abort, no move
+
+            dispatcher._on_message(stats(home, "first"))   # late, not restarted
+            dispatcher._handle_down_stages()
+            assert flight.orphaned_at is None and flight.attempt == 0
+            dispatcher._on_message(protocol.TokenDelta("r", (8,), "b", True, "length", 3, 2))
+            assert flight.token_ids == [7, 8] and not dispatcher.flights
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_request_moves_to_a_generator_that_comes_up_or_restarts():
+    async def scenario():
+        async with dispatching(orphan_timeout=60.0) as (dispatcher, stages):
+            first = dispatcher.submit(work("r", max_tokens=10))
+            second = dispatcher.submit(work("s", max_tokens=10))
+            for address in GENERATORS:
+                stages.received(address)
+            assert first.generator != second.generator   # the least loaded: one each
+            look_down(dispatcher, *GENERATORS)
+            dispatcher._handle_down_stages()
+            assert first.attempt == second.attempt == 0
+
+            # "r"'s generator comes back restarted: it takes "r" again (it was the only one up).
+            dispatcher._on_message(stats(first.generator, "second"))
+            assert first.attempt == 1 and first.orphaned_at is None
+            moved = [m for m in stages.received(first.generator) if isinstance(m, protocol.GenerateRequest)]
+            assert [m.request_id for m in moved] == ["r~1"]
+            # Now a generator is up: the other one's waiting request moves to it at the next look.
+            dispatcher._handle_down_stages()
+            assert second.attempt == 1 and second.generator == first.generator
+
+    asyncio.run(scenario())
+
+
+def test_a_request_waits_no_longer_than_the_orphan_timeout():
+    async def scenario():
+        async with dispatching(orphan_timeout=0.2) as (dispatcher, stages):
+            ended = []
+            dispatcher.on_finish = lambda flight, delta: ended.append(delta)
+            flight = dispatcher.submit(work("r", max_tokens=10))
+            stages.received(flight.generator)
+            look_down(dispatcher, *GENERATORS)
+            dispatcher._handle_down_stages()
+            assert not ended
+            deadline = time.monotonic() + 5
+            while not ended and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)   # the watch's own pace: it looks every ping interval
+                dispatcher._handle_down_stages()
+            (delta,) = ended
+            assert delta.status == 503 and "no generator is available" in delta.error
+            assert time.monotonic() - flight.created >= 0.2
+            assert not dispatcher.flights and all(load == 0 for load in dispatcher.load.values())
+
+    asyncio.run(scenario())
+
+
+def test_a_starting_proxy_listens_once_its_stages_answer_or_its_down_timeout_passes():
+    """ProxyApp._start returns (and the port opens) as soon as every stage
+    has answered a stats request; with none answering, after stage_timeout."""
+    async def start(answer: bool) -> float:
+        ctx = zmq.asyncio.Context()
+        stages = Stages(ctx)
+        dispatcher = Dispatcher(ctx, "inproc://proxy", [ENCODER], GENERATORS, aggregated=False, stage_timeout=1.5)
+        app = ProxyApp(dispatcher, model=None, policy=types.SimpleNamespace(allow_http=False), drain_timeout=0)
+        try:
+            started = time.monotonic()
+            task = asyncio.create_task(app._start(None))
+            await asyncio.sleep(0)   # it has begun waiting
+            assert not task.done()
+            if answer:
+                *first, last = GENERATORS + [ENCODER]
+                for address in first:
+                    dispatcher._on_message(stats(address, "first"))
+                await asyncio.sleep(0.1)   # several of its polls
+                assert not task.done()     # not before the last of them
+                dispatcher._on_message(stats(last, "first"))
+            await asyncio.wait_for(task, timeout=5)
+            return time.monotonic() - started
+        finally:
+            await app._stop(None)   # closes the dispatcher
+            stages.close()
+            ctx.term()
+
+    assert asyncio.run(start(answer=True)) < 0.5
+    assert 1.5 <= asyncio.run(start(answer=False)) < 3.0

@@ -18,6 +18,7 @@ from conftest import REPO, image_bytes, random_image
 from e2e_helpers import IMAGES, chat, chat_messages, client, serving
 from pipeline.cpu_threads import threads_per_stage, usable_cpus
 from stack import Stack
+from waiting import caught_up, until
 
 
 @pytest.fixture(scope="module")
@@ -86,19 +87,19 @@ def test_64_concurrent_mixed_requests_succeed(epd):
 
 def test_ten_concurrent_copies_of_a_new_image_are_encoded_once(epd):
     image = image_bytes(random_image(100, 100, seed=4242))
-    time.sleep(1.5)  # stats are polled: the earlier tests' encodes are counted before `before`
+    caught_up(epd)  # the earlier tests' encodes are counted before `before`
     before = epd.total("epd_encoder_jobs_total", outcome="encoded")
     before_dedup = epd.total("epd_encoder_jobs_total", outcome="dedup")
     with ThreadPoolExecutor(10) as pool:
         results = list(pool.map(lambda i: chat(epd, [image], f"same image {i}", max_tokens=4), range(10)))
     assert [usage.completion_tokens for _, _, usage in results] == [4] * 10
-    # Stats are polled: wait until the encoder's counts show all ten jobs, then only one was encoded.
-    deadline = time.monotonic() + 10
-    while (epd.total("epd_encoder_jobs_total", outcome="encoded") - before
-           + epd.total("epd_encoder_jobs_total", outcome="dedup") - before_dedup) < 10:
-        assert time.monotonic() < deadline, "the encoder's counts never showed the ten jobs"
-        time.sleep(0.05)
+    # Stats are polled, and a request may end (its embedding already cached at its generator) before the
+    # encoder has read its job: wait until the encoder's counts show all ten jobs.
+    until(lambda: (epd.total("epd_encoder_jobs_total", outcome="encoded") - before
+                   + epd.total("epd_encoder_jobs_total", outcome="dedup") - before_dedup) >= 10,
+          "the encoder's counts to show the ten jobs", deadline_s=10)
     assert epd.total("epd_encoder_jobs_total", outcome="encoded") - before == 1
+    assert epd.total("epd_encoder_jobs_total", outcome="dedup") - before_dedup == 9
 
 
 def test_metrics_show_where_stage_time_goes(epd):
@@ -110,12 +111,22 @@ def test_metrics_show_where_stage_time_goes(epd):
              "forwards": ("epd_encoder_images_total", "phase", "forward"),
              "decodes": ("epd_encoder_images_total", "phase", "decode"),
              "forward_seconds": ("epd_encoder_busy_seconds_total", "phase", "forward")}
-    before = {k: epd.total(name, **{label: value}) for k, (name, label, value) in names.items()}
+
+    def read() -> dict[str, float]:
+        return {k: epd.total(name, **{label: value}) for k, (name, label, value) in names.items()}
+
+    def shown() -> dict[str, float] | None:
+        """The totals once the polled stats show the request's image and its decode steps."""
+        now = read()
+        moved = now["forwards"] > before["forwards"] and now["decodes"] > before["decodes"]
+        return now if moved and now["steps"] - before["steps"] >= 5 else None
+
+    caught_up(epd)   # stats are polled: `before` has the earlier tests' work
+    before = read()
     chat(epd, [image_bytes(random_image(72, 96, seed=5151))], "where does time go", max_tokens=6, ignore_eos=True)
-    time.sleep(1.5)  # stats are polled
-    after = {k: epd.total(name, **{label: value}) for k, (name, label, value) in names.items()}
+    after = until(shown, "the stats to show the request's work", deadline_s=10)
     assert after["forwards"] - before["forwards"] == 1 and after["decodes"] - before["decodes"] == 1
-    assert after["steps"] - before["steps"] >= 5     # 6 tokens: the first from the prefill, 5 decode steps
+    assert after["steps"] - before["steps"] == 5     # 6 tokens: the first from the prefill, 5 decode steps
     assert after["step_seconds"] > before["step_seconds"] and after["forward_seconds"] > before["forward_seconds"]
 
 
@@ -134,15 +145,11 @@ def test_client_aborts_leave_nothing_held(epd):
     aborted = epd.total("epd_requests_total", status="aborted")
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(abandon, range(8)))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        time.sleep(1.0)
-        if epd.total("epd_kv_blocks_used") == 0 and epd.total("epd_arena_leases") == 0 \
-                and epd.total("epd_running_requests") == 0:
-            break
-    assert epd.total("epd_kv_blocks_used") == 0
-    assert epd.total("epd_arena_leases") == 0
-    assert epd.total("epd_running_requests") == 0
+    # The proxy counts an abort once it has noticed the hang-up and told the generator.
+    until(lambda: epd.total("epd_requests_total", status="aborted") - aborted >= 8, "the proxy to abort all eight")
+    caught_up(epd)   # a stats poll since the requests ran: the zeros below are not from before them
+    held = ("epd_kv_blocks_used", "epd_arena_leases", "epd_running_requests")
+    until(lambda: not any(epd.total(name) for name in held), "the aborted requests' blocks, leases and slots back")
     # Freed because the clients hung up, not because 7000 tokens were done.
     assert epd.total("epd_requests_total", status="aborted") - aborted == 8
 
@@ -192,13 +199,11 @@ def test_a_client_that_hangs_up_is_aborted_within_100_ms(epd):
                 break
         hung_up = time.monotonic()
     # The proxy's own counter moves when it has aborted the request in its generator.
-    while epd.total("epd_requests_total", status="aborted") == aborted and time.monotonic() - hung_up < 5:
-        time.sleep(0.005)
+    until(lambda: epd.total("epd_requests_total", status="aborted") > aborted, "the proxy to abort the request",
+          deadline_s=5, interval_s=0.005)
     assert time.monotonic() - hung_up < 0.1
-    deadline = time.monotonic() + 10
-    while epd.total("epd_running_requests") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert epd.total("epd_running_requests") == 0
+    caught_up(epd)   # a stats poll since the request ran: a 0 below is not from before it
+    until(lambda: epd.total("epd_running_requests") == 0, "the generator to end the aborted request", deadline_s=10)
 
 
 def test_vllm_named_series_are_served(epd):
@@ -216,10 +221,8 @@ def test_vllm_named_series_are_served(epd):
             "ignore_eos": True}) as r:
         lines = r.iter_lines()
         next(lines)
-        deadline, usage = time.monotonic() + 10, 0.0
-        while usage == 0 and time.monotonic() < deadline:
-            usage = max(s.value for s in families()["vllm:kv_cache_usage_perc"].samples)
-            time.sleep(0.1)
+        usage = until(lambda: max(s.value for s in families()["vllm:kv_cache_usage_perc"].samples),
+                      "a KV cache usage above 0 while the 400-token request runs", deadline_s=10, interval_s=0.1)
         for _ in lines:
             pass
     assert 0 < usage <= 1
@@ -251,7 +254,7 @@ def test_vllm_named_series_are_served(epd):
 
     for phase in ("queue", "prefill", "decode"):
         count, seconds = histogram(f"vllm:request_{phase}_time_seconds")
-        assert count == counts[0] and seconds >= 0, phase     # every finished request, once
+        assert count == counts[0] and seconds > 0, phase     # every finished request, once
     e2e_seconds = histogram("vllm:e2e_request_latency_seconds")[1]
     assert 0 < histogram("vllm:request_decode_time_seconds")[1] < e2e_seconds   # the 400-token one decoded a while
     count, seconds = histogram("vllm:inter_token_latency_seconds")

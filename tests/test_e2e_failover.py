@@ -10,12 +10,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from conftest import image_bytes, random_image
 from e2e_helpers import IMAGES, chat, long_requests, serving
 from pipeline.arena import ring
 from stack import Stack
+from waiting import caught_up, stage_address, until
 
 
 @pytest.fixture(scope="module")
@@ -24,24 +26,43 @@ def epd(tiny_dir, tmp_path_factory):
     yield from serving(Stack(tmp_path_factory.mktemp("epd"), tiny_dir, encoders=1, generators=3))
 
 
+def looks_down(stack: Stack, name: str) -> bool:
+    """Whether the proxy's /health names stage `name` down (silent past its down timeout)."""
+    r = httpx.get(stack.base_url + "/health", timeout=5)
+    return r.status_code == 503 and stage_address(stack, name) in r.json()["down"]
+
+
+def held_by_generators(stack: Stack) -> float:
+    """Requests the generators hold, running or waiting (for their images, say), as last polled."""
+    return stack.total("epd_running_requests") + stack.total("epd_waiting_requests")
+
+
 def test_requests_keep_succeeding_while_a_generator_is_stopped(epd):
     stop_done = threading.Event()
+    served: list[float] = []    # when each request of the load ended
 
     def load():
-        ok = 0
-        while not stop_done.is_set() or ok < 12:
-            assert chat(epd, IMAGES[1], f"during failover {ok}", max_tokens=4)[2].completion_tokens == 4
-            ok += 1
-        return ok
+        while not stop_done.is_set():
+            assert chat(epd, IMAGES[1], f"during failover {len(served)}", max_tokens=4)[2].completion_tokens == 4
+            served.append(time.monotonic())
+
+    def served_after(start: float, n: int) -> bool:
+        for future in futures:
+            if future.done():
+                future.result()     # a request failed: raise it here
+        return sum(ended > start for ended in served) >= n
 
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(load) for _ in range(3)]
-        time.sleep(1.0)
+        until(lambda: served_after(0.0, 3), "the load to be served", deadline_s=60)
         epd.stop_stage("gen1")
-        time.sleep(4.0)
+        # Requests go on through gen1's down timeout (those it held move on) and after it.
+        until(lambda: looks_down(epd, "gen1"), "the proxy to see gen1 down")
+        down_at = time.monotonic()
+        until(lambda: served_after(down_at, 12), "12 requests served with gen1 down", deadline_s=60)
         stop_done.set()
-        counts = [f.result(timeout=120) for f in futures]
-    assert sum(counts) >= 36
+        for future in futures:
+            future.result(timeout=120)
     epd.restart_stage("gen1")
     epd.wait_healthy()
 
@@ -83,16 +104,18 @@ def test_a_generator_that_stalls_past_the_timeout_then_wakes_sends_no_stale_toke
     before = epd.total("epd_generation_tokens_total")
 
     def stall():
+        moved = epd.whole_log().count("moved to generator")
         epd.procs["gen0"].send_signal(signal.SIGSTOP)
-        time.sleep(5.0)
+        # Once gen0 looks down the proxy moves all its requests in one go (a log line each).
+        until(lambda: epd.whole_log().count("moved to generator") > moved, "the proxy to move gen0's requests on")
         epd.procs["gen0"].send_signal(signal.SIGCONT)
 
     results = long_requests(epd, 6, 3000, stall)
     assert [(usage.completion_tokens, reason) for reason, usage in results] == [(3000, "length")] * 6
     assert epd.total("epd_generation_tokens_total") - before == 6 * 3000
     epd.wait_healthy()
-    time.sleep(1.5)     # stats are polled
-    assert epd.total("epd_running_requests") == 0
+    caught_up(epd)      # stats are polled
+    until(lambda: epd.total("epd_running_requests") == 0, "the generators to end every request")
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +146,8 @@ def test_encode_jobs_lost_with_an_encoder_that_is_back_before_it_looks_down_are_
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(chat, patient, [image_bytes(random_image(66, 88, seed=700 + i))], f"lost job {i}",
                                max_tokens=8, ignore_eos=True) for i in range(4)]
-        time.sleep(1.5)
+        # The proxy sends a request's encode jobs with it: the generators hold all four, so the jobs are sent.
+        until(lambda: held_by_generators(patient) >= 4, "the generators to hold the four requests")
         patient.stop_stage("enc0", signal.SIGKILL)
         patient.restart_stage("enc0")
         results = [f.result(timeout=50) for f in futures]
@@ -138,8 +162,7 @@ def test_a_restarted_proxy_makes_generators_drop_what_its_predecessor_asked_for(
     pool = ThreadPoolExecutor(3)
     futures = [pool.submit(chat, epd, [], f"orphan {i}", stream=True, max_tokens=7000, ignore_eos=True)
                for i in range(3)]
-    time.sleep(1.5)
-    assert epd.total("epd_running_requests") >= 1
+    until(lambda: epd.total("epd_running_requests") >= 3, "the three requests to run")
     epd.stop_stage("proxy", signal.SIGKILL)
     try:
         for future in futures:
@@ -148,11 +171,10 @@ def test_a_restarted_proxy_makes_generators_drop_what_its_predecessor_asked_for(
     finally:    # whatever failed here, the tests after this one get a proxy
         pool.shutdown()
         epd.restart_stage("proxy")
-    epd.wait_healthy()
-    deadline = time.monotonic() + 8
-    while time.monotonic() < deadline and (epd.total("epd_running_requests") or epd.total("epd_kv_blocks_used")):
-        time.sleep(0.5)
-    assert epd.total("epd_running_requests") == 0 and epd.total("epd_kv_blocks_used") == 0
+    epd.wait_healthy()     # every stage has answered the new proxy: what it shows is from after the restart
+    # Bounded: left to run, the 7000 tokens each would take far longer than this.
+    until(lambda: not (epd.total("epd_running_requests") or epd.total("epd_kv_blocks_used")),
+          "the generators to drop the orphans", deadline_s=8)
     assert chat(epd, IMAGES[1], "after the restart", max_tokens=4)[2].completion_tokens == 4
 
 
@@ -165,7 +187,7 @@ def test_embeddings_reach_generators_through_rings_and_a_killed_generators_ring_
     ring, not its socket. A generator killed outright leaves its ring behind;
     its next incarnation removes it, makes its own, and gets handoffs on it."""
     def ring_handoffs():
-        time.sleep(1.5)  # stats are polled
+        caught_up(epd)  # stats are polled
         return epd.total("epd_encoder_handoffs_total", lane="ring")
 
     before, wakes = ring_handoffs(), epd.total("epd_encoder_ring_wakes_total")
@@ -181,10 +203,8 @@ def test_embeddings_reach_generators_through_rings_and_a_killed_generators_ring_
     assert rings_of(instance) == [old]      # nothing removed it: the process had no chance
     epd.restart_stage("gen2")
     epd.wait_healthy()
-    deadline = time.monotonic() + 60
-    while (rings_of(instance) == [old] or len(rings_of(instance)) != 1) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    (new,) = rings_of(instance)
+    (new,) = until(lambda: (rings := rings_of(instance)) != [old] and len(rings) == 1 and rings,
+                   "the new incarnation's ring in place of the old one", deadline_s=60, interval_s=0.2)
     assert new != old
     # Its hello named a new incarnation: the encoder dropped what the killed one leased.
     assert epd.wait_for_log("gen2.sock restarted: dropped"), epd.logs()
@@ -210,16 +230,18 @@ def test_image_requests_wait_out_the_only_encoders_restart(epd):
     with ThreadPoolExecutor(6) as pool:
         held = [pool.submit(chat, epd, [image_bytes(random_image(61, 77, seed=1100 + i))], f"held {i}",
                             max_tokens=6, ignore_eos=True) for i in range(3)]
-        time.sleep(1.0)
+        # The proxy sends a request's encode jobs with it: the generators hold the three, so the jobs are sent.
+        until(lambda: held_by_generators(epd) >= 3, "the generators to hold the three requests")
         epd.stop_stage("enc0", signal.SIGKILL)
-        time.sleep(4.0)                              # past the 3 s down timeout
+        until(lambda: looks_down(epd, "enc0"), "the proxy to see enc0 down")   # past the 3 s down timeout
         meanwhile = [pool.submit(chat, epd, [image_bytes(random_image(61, 77, seed=1200 + i))], f"new {i}",
                                  max_tokens=6, ignore_eos=True) for i in range(3)]
         assert chat(epd, [], "text goes on", max_tokens=4)[2].completion_tokens == 4
-        time.sleep(1.0)
+        until(lambda: held_by_generators(epd) >= 6, "the generators to hold the new requests too")
         epd.restart_stage("enc0")
         results = [f.result(timeout=60) for f in held + meanwhile]
     assert [usage.completion_tokens for _, _, usage in results] == [6] * 6
     epd.wait_healthy()
-    time.sleep(1.5)  # stats are polled
-    assert epd.total("epd_running_requests") == 0 and epd.total("epd_kv_blocks_used") == 0
+    caught_up(epd)   # stats are polled
+    until(lambda: not (epd.total("epd_running_requests") or epd.total("epd_kv_blocks_used")),
+          "the generators to give back every request's slot and blocks")

@@ -21,6 +21,7 @@ from pipeline.hashing import content_hash, media_salt
 from pipeline.models.loader import load_model
 from pipeline.processing.image import open_image, preprocess_images
 from pipeline.processing.processor import Processor
+from waiting import until
 
 MAX_TOKENS = 10
 
@@ -180,14 +181,19 @@ def test_epd_and_aggregated_generators_match_offline_generation(stages, tiny_dir
         assert enc.gauges["arena_leases"] == 0
         # An abort right behind an aggregated-mode request (whose images are
         # still being decoded) still stops it.
+        taken = proxy.stats("agg").counters["requests"]
         big = image_bytes(random_image(1400, 1400, seed=5), "PNG")   # slow to decode: the abort overtakes it
         proxy.request("agg-gone", "Go on.", [big], "agg", max_tokens=4000)   # seconds, unless stopped
         proxy.out.send(addr["agg"], protocol.AbortRequest(("agg-gone",)))
         proxy.request("agg-after", "Next.", [], "agg")
         tokens, _ = proxy.collect(["agg-after"])
         assert len(tokens["agg-after"]) == MAX_TOKENS
+        # Bounded, to see that something does not happen: had the abort been missed, agg-gone's image
+        # (decoded in well under a second) would have put it in the engine by now, counted and running
+        # for seconds. Nothing observable says "skipped" sooner.
         time.sleep(1.0)
         agg = proxy.stats("agg")
+        assert agg.counters["requests"] == taken + 1       # agg-after's only
         assert agg.gauges["kv_blocks_used"] == 0 and agg.gauges["running"] == 0
     except Exception:
         print(log_path.read_text()[-4000:])
@@ -208,20 +214,22 @@ def test_an_embedding_that_overtakes_its_request_is_kept_for_it(stages, tiny_dir
         image, never = image_bytes(random_image(72, 96, seed=31), "PNG"), image_bytes(random_image(64, 64, seed=32))
         # The holder needs both; the first never comes, so its prefill stops
         # there and the second stays in the cache, needed.
-        proxy.request("holder", "Hold it.", [never, image], send_jobs=(1,))
-        time.sleep(1.0)
+        holder, _ = proxy.request("holder", "Hold it.", [never, image], send_jobs=(1,))
+        image_tokens = holder.image_spans[1][1]
+        until(lambda: proxy.stats("gen").gauges["encoder_cache_tokens"] == image_tokens, "the image in the cache")
         proxy.request("late", "Describe it.", [image], send_request=False)   # the embedding goes first
-        time.sleep(1.0)
+        until(lambda: proxy.stats("gen").gauges["early_embeddings"] == 1, "the late request's embedding, early")
         proxy.out.send(addr["gen"], protocol.AbortRequest(("holder",)))
-        time.sleep(1.0)     # the holder is gone, and with it the cache's entry
+        # The holder is gone, and with it the cache's entry.
+        until(lambda: (s := proxy.stats("gen")).gauges["running"] + s.gauges["waiting"] == 0
+              and s.gauges["encoder_cache_tokens"] == 0, "the holder and its cache entry gone")
         prompt, decoded = proxy.request("late", "Describe it.", [image], send_jobs=False)
         tokens, done = proxy.collect(["late"])
         assert done["late"].finish_reason == "length", done["late"].error
         assert tokens["late"] == proxy.expected(prompt, decoded)
-        time.sleep(1.0)
-        gen = proxy.stats("gen")
-        assert gen.gauges["encoder_cache_tokens"] == 0 and gen.gauges["early_embeddings"] == 0
-        assert proxy.stats("enc").gauges["arena_leases"] == 0
+        until(lambda: (s := proxy.stats("gen")).gauges["encoder_cache_tokens"] == 0
+              and s.gauges["early_embeddings"] == 0, "the late request's embedding freed")
+        until(lambda: proxy.stats("enc").gauges["arena_leases"] == 0, "the encoder's leases back")
     except Exception:
         print(log_path.read_text()[-4000:])
         raise
@@ -248,7 +256,7 @@ def test_a_handle_whose_arena_cannot_be_opened_is_given_up_not_held(stages, tiny
         tokens = prompt.image_spans[0][1]
         handle = protocol.ArenaHandle("ghost-arena", 0, tokens * 64 * 4, (tokens, 64), "float32", 1)
         proxy.out.send(addr["gen"], protocol.EmbeddingReady("ghosted/0", "ghosted", key, handle, "lease-1", "ghost"))
-        time.sleep(0.5)     # parked: its arena is unknown here
+        # Sent behind it on the same pipe, so the generator has parked the handle (its arena unknown) by then.
         arena = protocol.ArenaInfo("ghost-arena", "shm", 1 << 20, 1 << 16, segment_name("ghost", "gen", pid=1),
                                    segment_name("ghost", "data", pid=1))
         proxy.out.send(addr["gen"], protocol.EncoderAnnounce("ghost", ghost_address, "tiny", arena, {"image": 64}))
@@ -275,14 +283,20 @@ def test_an_embedding_for_a_request_that_ended_is_given_back_unread(stages, tiny
     try:
         wait_ready(proxy, ["enc", "gen"])
         image = [image_bytes(random_image(58, 74, seed=51), "PNG")]
+
+        def held() -> float:
+            gauges = proxy.stats("gen").gauges
+            return gauges["running"] + gauges["waiting"]
+
         proxy.request("gone", "Anyone?", image, send_jobs=False)
-        time.sleep(0.5)
+        until(lambda: held() == 1, "the generator to take the request")
         proxy.out.send(addr["gen"], protocol.AbortRequest(("gone",)))
-        time.sleep(0.5)
+        until(lambda: held() == 0, "the generator to end the aborted request")
         proxy.request("gone", "Anyone?", image, send_request=False)    # its encode job, late
-        time.sleep(2.0)
-        gen, enc = proxy.stats("gen"), proxy.stats("enc")
-        assert enc.counters["encoded"] == 1 and enc.gauges["arena_leases"] == 0
+        # Encoded, and its lease given back: the generator has met the embedding and handed it back.
+        until(lambda: (s := proxy.stats("enc")).counters.get("encoded") == 1 and s.gauges["arena_leases"] == 0,
+              "the embedding encoded and its lease back")
+        gen = proxy.stats("gen")
         assert gen.gauges["early_embeddings"] == 0 and gen.gauges["pending_embeddings"] == 0
         assert gen.counters["embeddings"] == 0      # never copied out of the arena
     except Exception:
@@ -320,12 +334,6 @@ def test_embeddings_past_the_cache_wait_in_the_arena_and_every_request_completes
     back."""
     addr, log_path = small_cache_stages
     proxy = Proxy(addr, tiny_dir)
-
-    def until(condition, what):
-        deadline = time.monotonic() + 30
-        while not condition():
-            assert time.monotonic() < deadline, what
-
     try:
         wait_ready(proxy, ["enc", "gen"])
         never, held = (image_bytes(random_image(112, 112, seed=s), "PNG") for s in (38, 39))

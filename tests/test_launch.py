@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from waiting import until
 
 STAND_IN = r'''
 import json, os, signal, sys, time
@@ -47,6 +48,8 @@ if role == "proxy":
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):
             ok = self.path == "/health" and (HERE / "ready").exists()
+            with open(HERE / "health_answers", "a") as answers:  # what the launcher was told, for the tests
+                answers.write(f"{200 if ok else 503}\n")
             self.send_response(200 if ok else 503)
             self.end_headers()
         def log_message(self, *args):
@@ -139,6 +142,11 @@ class Launcher:
         return [int(p.suffix[1:]) for p in (self.folder / "pids").iterdir()
                 if instance is None or p.stem == instance]
 
+    def health_answers(self) -> list[str]:
+        """The stand-in proxy's answers to /health so far ("503", "200")."""
+        path = self.folder / "health_answers"
+        return path.read_text().split() if path.exists() else []
+
     def stamp(self, instance: str, event: str) -> float:
         return float((self.folder / "stamps" / f"{instance}.{event}").read_text())
 
@@ -177,7 +185,8 @@ def test_ready_after_health_then_sigterm_stops_everything(launch):
     launcher = launch({"encoder-0": {"shm": True, "ignore_term": True}})
     launcher.wait_for(r"^proxy +\| stand-in proxy up$")
     launcher.wait_for(r"^encoder-0 +\| stand-in encoder-0 up$")
-    time.sleep(0.5)  # the proxy answers 503 so far
+    # The proxy answers 503 so far: the launcher has been told so three times, and is not ready.
+    until(lambda: launcher.health_answers().count("503") >= 3, "the launcher to ask /health three times", 10)
     assert not any(line.startswith("EPD ready") for line in launcher.out)
     (launcher.folder / "ready").touch()
     launcher.wait_for(rf"^EPD ready: http://127\.0\.0\.1:{launcher.port}/v1$")
@@ -222,9 +231,11 @@ def test_a_proxy_whose_drain_runs_on_is_killed_in_time_or_when_asked_again(launc
     launcher = launch({"proxy": {"drain": 30.0}}, drain_timeout=drain_timeout)
     launcher.wait_for("EPD ready")
     started = time.monotonic()
-    for sig in signals:
+    launcher.proc.send_signal(signals[0])
+    # The launcher acted on it (the proxy got SIGTERM: its drain began); only then is a second one "again".
+    until(lambda: (launcher.folder / "stamps" / "proxy.term").exists(), "the proxy to be told to stop", 10)
+    for sig in signals[1:]:
         launcher.proc.send_signal(sig)
-        time.sleep(0.5)
     assert launcher.finish() == 0, launcher.err
     assert time.monotonic() - started < 10
     launcher.wait_for(line)

@@ -7,6 +7,7 @@ request would reach a stage."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -168,6 +169,50 @@ def test_an_internal_failure_is_a_json_500_that_leaks_nothing(tiny_dir, tmp_path
         assert (await client.get("/v1/models")).status == 200   # and it goes on serving
 
     serve(tiny_dir, tmp_path, scenario=scenario)
+
+
+def test_a_client_that_hangs_up_mid_stream_is_an_abort_not_a_logged_failure(tiny_dir, tmp_path, caplog):
+    async def scenario(client, app):
+        dispatcher = next(r.handler.__self__ for r in app.router.routes()
+                          if getattr(r.handler, "__name__", "") == "chat").dispatcher
+        # As if the generator had answered a stats request just now (none answers here).
+        dispatcher.last_seen[dispatcher.generators[0]] = time.monotonic()
+        # Text only and streamed: the headers leave before any token.
+        r = await client.post(CHAT, json=chat_body(stream=True))
+        assert r.status == 200 and len(dispatcher.flights) == 1
+        r.close()
+        deadline = asyncio.get_running_loop().time() + 10
+        while dispatcher.flights and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        assert not dispatcher.flights        # aborted at its generator too
+        assert (await client.get("/v1/models")).status == 200
+
+    with caplog.at_level("DEBUG"):
+        serve(tiny_dir, tmp_path, scenario=scenario)
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], \
+        [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "epd.requests"]
+    assert "aborted (the client hung up)" in line and "status=aborted" in line
+
+
+def test_a_write_to_a_client_that_hung_up_goes_to_aiohttp_unlogged(caplog):
+    """The race the soak found: the client hangs up between two tokens and
+    the handler's write fails before the proxy's client watch has noticed.
+    The handler has aborted the request; the middleware hands the error to
+    aiohttp (which drops the connection quietly) instead of logging an
+    internal failure with its traceback and answering a 500 to no one."""
+    from aiohttp import ClientConnectionResetError
+    from aiohttp.test_utils import make_mocked_request
+
+    from pipeline.proxy.access import AccessPolicy, error_middleware
+
+    async def write_fails(request):
+        raise ClientConnectionResetError("Cannot write to closing transport")
+
+    middleware = error_middleware(AccessPolicy())
+    with caplog.at_level("DEBUG"), pytest.raises(ConnectionResetError):
+        asyncio.run(middleware(make_mocked_request("POST", CHAT), write_fails))
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
 
 
 def test_tokenize_detokenize_and_version(tiny_dir, tmp_path):

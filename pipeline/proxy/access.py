@@ -76,6 +76,11 @@ def error_middleware(policy: AccessPolicy):
                 raise
             kind = "NotFoundError" if exc.status == 404 else "invalid_request_error"
             response = _json_error(ApiError(f"{exc.reason}: {request.method} {request.path}", exc.status, kind))
+        except ConnectionResetError:
+            # The client hung up (a write found the connection closing): the
+            # handler has aborted its request, and aiohttp drops such a
+            # connection quietly. Not an internal failure, and no one to answer.
+            raise
         except Exception:
             log.exception("request %s (%s %s) failed", request_id, request.method, request.path)
             response = _json_error(ApiError(f"internal server error (request id {request_id})", 500,

@@ -15,6 +15,12 @@ Failure handling:
   generator left behind is told to abort the old one, and anything it still
   sends for it (a stalled process that wakes up) is dropped, so no client
   gets a token twice;
+- a generator that stops answering while no other generator is up keeps
+  its requests for up to `orphan_timeout`: a process that is slow under
+  load (its stats late, not lost) goes on with them, one restarted in place
+  takes them again, another that comes up gets them; only then do they fail
+  (503). A box whose generators all look down at once loses nothing to a
+  false alarm, and a one-generator box survives a generator restart;
 - a request whose generator is lost `max_attempts` times is not sent again
   but fails (503): the request may be what kills them, and resending it
   would take the generators down one after another;
@@ -34,7 +40,6 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 import msgspec
 import zmq.asyncio
@@ -42,61 +47,19 @@ import zmq.asyncio
 from pipeline import protocol, transport
 from pipeline.incarnations import Incarnations
 from pipeline.proxy.api_types import ApiError
+from pipeline.proxy.flights import Flight, Work, parse_wire_id
 from pipeline.proxy.routing import encoder_order, least_loaded
 
 log = logging.getLogger("epd.proxy")
 
-ATTEMPT_MARK = "~"   # the request ids the proxy makes never contain it
 ENCODE_FALLBACKS = ("off", "local")
-
-
-def wire_id(request_id: str, attempt: int) -> str:
-    """The id a request has on the wire in its `attempt`-th dispatch."""
-    return request_id if attempt == 0 else f"{request_id}{ATTEMPT_MARK}{attempt}"
-
-
-def parse_wire_id(wire: str) -> tuple[str, int]:
-    request_id, mark, attempt = wire.rpartition(ATTEMPT_MARK)
-    return (request_id, int(attempt)) if mark and attempt.isdigit() else (wire, 0)
-
-
-@dataclass
-class Work:
-    """What the proxy sends for one request (kept to re-send it)."""
-
-    request: protocol.GenerateRequest
-    jobs: list[protocol.EncodeJob]   # consumer filled in at dispatch
-    cost: int                        # prompt + max new tokens, for load balancing
-    arrived: float | None = None     # time.monotonic() at the HTTP request's arrival (None: at submit)
-    client_id: str = ""              # the request's X-Request-Id, for the log
-
-
-@dataclass
-class Flight:
-    work: Work
-    generator: str
-    deltas: asyncio.Queue
-    created: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    # Seconds between tokens as deltas bring them (k tokens in one delta: k intervals of a k-th each).
-    intervals: list[float] = field(default_factory=list)
-    tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)   # generated so far
-    resumed_from: int = 0      # tokens generated before the last move to another generator
-    encoders: dict[str, list[str]] = field(default_factory=dict)   # job id -> encoders tried
-    attempt: int = 0           # dispatches so far, less one
-    wanted: set[str] = field(default_factory=set)   # job ids its generator asked for again
-
-    @property
-    def wire_id(self) -> str:
-        return wire_id(self.work.request.request_id, self.attempt)
 
 
 class Dispatcher:
     def __init__(self, ctx: zmq.asyncio.Context, address: str, encoders: list[str], generators: list[str],
                  aggregated: bool, max_in_flight: int = 1024, stage_timeout: float = 3.0,
-                 ping_interval: float = 0.5, max_attempts: int = 2, encode_fallback: str = "off") -> None:
+                 ping_interval: float = 0.5, max_attempts: int = 2, encode_fallback: str = "off",
+                 orphan_timeout: float = 60.0) -> None:
         if encode_fallback not in ENCODE_FALLBACKS:
             raise ValueError(f"encode_fallback={encode_fallback!r}: want one of {ENCODE_FALLBACKS}")
         self.address = address
@@ -109,6 +72,7 @@ class Dispatcher:
         self.stage_timeout = stage_timeout
         self.ping_interval = ping_interval
         self.max_attempts = max_attempts
+        self.orphan_timeout = orphan_timeout
         self.encode_fallback = encode_fallback
         self.falling_back = False   # the last job went to a generator: no encoder was up
         self.flights: dict[str, Flight] = {}
@@ -320,8 +284,17 @@ class Dispatcher:
             self._handle_down_stages()
 
     def _handle_down_stages(self) -> None:
+        now = time.monotonic()
         for flight in list(self.flights.values()):
-            if not self.up(flight.generator) and flight.generator in self.last_seen:
+            if self.up(flight.generator) or flight.generator not in self.last_seen:
+                flight.orphaned_at = None   # it answers again: the request goes on where it is
+            elif any(self.up(g) for g in self.generators if g != flight.generator):
+                self._redispatch(flight)
+            elif flight.orphaned_at is None:
+                flight.orphaned_at = now
+                log.warning("request %s: generator %s looks down and no other is up: it waits up to %.0f s "
+                            "for one", flight.work.request.request_id, flight.generator, self.orphan_timeout)
+            elif now - flight.orphaned_at >= self.orphan_timeout:
                 self._redispatch(flight)
         if not self.aggregated:
             for flight in list(self.flights.values()):
@@ -338,6 +311,7 @@ class Dispatcher:
         self.outbox.try_send(flight.generator, protocol.AbortRequest((flight.wire_id,)))
         self.load[flight.generator] -= flight.work.cost
         flight.attempt += 1
+        flight.orphaned_at = None
         if flight.token_ids:
             left = flight.work.request.sampling.max_tokens - (len(flight.token_ids) - flight.resumed_from)
             if left <= 0:  # only its final message was lost

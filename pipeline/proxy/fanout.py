@@ -11,14 +11,16 @@ usage counts the prompt once and every choice's tokens.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 from aiohttp import web
 
 from pipeline.proxy.access import MODEL_NAME_KEY
 from pipeline.proxy.api_types import ApiError
-from pipeline.proxy.dispatcher import Flight, Work
+from pipeline.proxy.flights import Flight, Work
 from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
+from pipeline.proxy.request_log import log_aborted
 from pipeline.proxy.responses import ChatDeltas, error_response, response_body
 
 
@@ -58,7 +60,7 @@ class ManyChoices:
                 return await self._stream_many(request, req, rid, flights, firsts, chat)
             return await self._whole_many(request, rid, flights, firsts, chat)
         except (asyncio.CancelledError, ConnectionResetError):
-            self._abort_all(flights)
+            self._abort_all(flights, client_gone=True)
             self.metrics.requests.labels("aborted").inc()
             raise
         except BaseException:
@@ -68,10 +70,12 @@ class ManyChoices:
             for work in works:
                 self._clients.pop(work.request.request_id, None)
 
-    def _abort_all(self, flights: list[Flight]) -> None:
+    def _abort_all(self, flights: list[Flight], client_gone: bool = False) -> None:
         for flight in flights:
             if self.dispatcher.abort(flight.work.request.request_id):
                 self.metrics.generated(flight.tokens)
+                if client_gone:
+                    log_aborted(flight, time.monotonic())
 
     async def _whole_many(self, request, rid: str, flights: list[Flight], firsts, chat: bool) -> web.Response:
         choices, prompt_tokens, completion_tokens = [], 0, 0

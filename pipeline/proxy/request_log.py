@@ -12,15 +12,28 @@ from pipeline import protocol
 log = logging.getLogger("epd.requests")
 
 
-def log_finished(flight, delta: protocol.TokenDelta, now: float) -> None:
-    """`flight`: the dispatcher's Flight of the request, `now` its end (time.monotonic())."""
+def _fields(flight, status: str, now: float) -> dict:
     work = flight.work
     fields = {"request_id": work.client_id or work.request.request_id, "internal_id": work.request.request_id,
-              "status": "error" if delta.error else delta.finish_reason, "prompt_tokens": delta.prompt_tokens,
-              "completion_tokens": flight.tokens, "e2e_s": round(now - flight.created, 4),
+              "status": status, "completion_tokens": flight.tokens, "e2e_s": round(now - flight.created, 4),
               "generator": flight.generator, "attempts": flight.attempt + 1}
     if flight.first_token_at is not None:
         fields["ttft_s"] = round(flight.first_token_at - flight.created, 4)
+    return fields
+
+
+def log_aborted(flight, now: float) -> None:
+    """A request whose client hung up before its end: it was stopped at its generator."""
+    fields = _fields(flight, "aborted", now)
+    text = " ".join(f"{k}={v}" for k, v in fields.items() if k != "request_id")
+    log.info(f"request {fields['request_id']} aborted (the client hung up): {text}", extra={"fields": fields})
+
+
+def log_finished(flight, delta: protocol.TokenDelta, now: float) -> None:
+    """`flight`: the dispatcher's Flight of the request, `now` its end (time.monotonic())."""
+    fields = _fields(flight, "error" if delta.error else delta.finish_reason, now)
+    head = {k: fields[k] for k in ("request_id", "internal_id", "status")}
+    fields = {**head, "prompt_tokens": delta.prompt_tokens, **fields}   # the line's order as before
     if len(delta.phases) == 3:
         fields.update(zip(("queue_s", "prefill_s", "decode_s"), (round(s, 4) for s in delta.phases)))
     if delta.error:

@@ -26,7 +26,7 @@ from pipeline.proxy.api_types import (
     stop_strings,
     video_url_of,
 )
-from pipeline.proxy.dispatcher import Work
+from pipeline.proxy.flights import Work
 from pipeline.proxy.media_fetch import FetchPolicy, fetch_image
 from pipeline.proxy.structured import grammar_of
 from pipeline.proxy.tools import ToolRequest, forced_grammar, tag_tokens_of, template_tool_calls, tool_request

@@ -15,12 +15,13 @@ from pipeline import protocol
 from pipeline.proxy.access import (ARRIVED_KEY, MODEL_NAME_KEY, PARSE_TOOLS_KEY, REQUEST_ID_KEY, AccessPolicy,
                                    add_cors, echo_request_id, error_middleware)
 from pipeline.proxy.api_types import ApiError, parse_body
-from pipeline.proxy.dispatcher import Dispatcher, Flight
+from pipeline.proxy.dispatcher import Dispatcher
+from pipeline.proxy.flights import Flight
 from pipeline.proxy.fanout import ManyChoices, copies
 from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
 from pipeline.proxy.media_fetch import FetchPolicy, guarded_session
 from pipeline.proxy.metrics import ProxyMetrics
-from pipeline.proxy.request_log import log_finished
+from pipeline.proxy.request_log import log_aborted, log_finished
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
 from pipeline.proxy.responses import ChatDeltas, error_response, response_body, usage_of
 from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
@@ -175,6 +176,7 @@ class ProxyApp(ManyChoices):
         except (asyncio.CancelledError, ConnectionResetError):
             if self.dispatcher.abort(rid):    # still live: nothing has counted its tokens
                 self.metrics.generated(flight.tokens)
+                log_aborted(flight, time.monotonic())
             self.metrics.requests.labels("aborted").inc()
             raise
         finally:

@@ -1,0 +1,57 @@
+"""What the proxy keeps of a request it dispatched (Work: what it sends,
+kept to send again; Flight: where it is and what came back), and the ids
+its attempts have on the wire."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from pipeline import protocol
+
+ATTEMPT_MARK = "~"   # the request ids the proxy makes never contain it
+
+
+def wire_id(request_id: str, attempt: int) -> str:
+    """The id a request has on the wire in its `attempt`-th dispatch."""
+    return request_id if attempt == 0 else f"{request_id}{ATTEMPT_MARK}{attempt}"
+
+
+def parse_wire_id(wire: str) -> tuple[str, int]:
+    request_id, mark, attempt = wire.rpartition(ATTEMPT_MARK)
+    return (request_id, int(attempt)) if mark and attempt.isdigit() else (wire, 0)
+
+
+@dataclass
+class Work:
+    """What the proxy sends for one request (kept to re-send it)."""
+
+    request: protocol.GenerateRequest
+    jobs: list[protocol.EncodeJob]   # consumer filled in at dispatch
+    cost: int                        # prompt + max new tokens, for load balancing
+    arrived: float | None = None     # time.monotonic() at the HTTP request's arrival (None: at submit)
+    client_id: str = ""              # the request's X-Request-Id, for the log
+
+
+@dataclass
+class Flight:
+    work: Work
+    generator: str
+    deltas: asyncio.Queue
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    # Seconds between tokens as deltas bring them (k tokens in one delta: k intervals of a k-th each).
+    intervals: list[float] = field(default_factory=list)
+    tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)   # generated so far
+    resumed_from: int = 0      # tokens generated before the last move to another generator
+    encoders: dict[str, list[str]] = field(default_factory=dict)   # job id -> encoders tried
+    attempt: int = 0           # dispatches so far, less one
+    wanted: set[str] = field(default_factory=set)   # job ids its generator asked for again
+    orphaned_at: float | None = None   # since when its generator looks down with no other one up
+
+    @property
+    def wire_id(self) -> str:
+        return wire_id(self.work.request.request_id, self.attempt)
