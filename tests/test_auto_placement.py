@@ -82,10 +82,13 @@ def test_mps_on_without_sharing_is_a_required_daemon(tmp_path):
     assert config.encoder_sm_percent == 30 and config.encoders == frozenset({"encoder-0"})
 
 
-def test_encoder_sm_percent_reaches_the_config(tmp_path):
+def test_encoder_sm_percent_and_priority_reach_the_config(tmp_path):
     opts = options(placement="colocated", encoder_sm_percent=25)
     config = mps_config(opts, plan_stages(opts, HostFacts(gpu_count=1)), tmp_path)
-    assert config.encoder_sm_percent == 25 and config.required is False
+    assert config.encoder_sm_percent == 25 and config.required is False and not config.encoder_below_normal
+    opts = options(placement="colocated", encoder_priority="below-normal")
+    config = mps_config(opts, plan_stages(opts, HostFacts(gpu_count=1)), tmp_path)
+    assert config.encoder_below_normal and config.encoder_sm_percent is None
 
 
 # ---- --placement auto -----------------------------------------------------------------

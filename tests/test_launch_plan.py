@@ -308,6 +308,8 @@ def test_describe_lists_each_gpu_in_number_order_and_the_unused_ones():
     (dict(encoder_sm_percent=0), r"--encoder-sm-percent must be in 1\.\.100 \(got 0\)"),
     (dict(encoder_sm_percent=101), r"--encoder-sm-percent must be in 1\.\.100 \(got 101\)"),
     (dict(encoder_sm_percent=50, mps="off"), "--encoder-sm-percent needs MPS"),
+    (dict(encoder_priority="below-normal", mps="off"), "--encoder-priority needs MPS"),
+    (dict(encoder_priority="low"), "--encoder-priority"),
 ])
 def test_bad_options_are_one_line_errors(overrides, message):
     with pytest.raises(LaunchError, match=message) as info:

@@ -91,6 +91,7 @@ else:
 '''
 
 PIPE, LOG, PERCENT = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+PRIORITY = "CUDA_MPS_CLIENT_PRIORITY"
 CLIENTS = frozenset({"encoder-0", "generator-0"})
 
 
@@ -240,11 +241,12 @@ def test_a_daemon_left_by_a_killed_launcher_is_quit_before_a_new_start(stand_in,
 def test_the_operators_daemon_is_used_and_nothing_is_started_or_stopped(stand_in, tmp_path, monkeypatch):
     monkeypatch.setenv(PIPE, "/run/epd-mps/pipe")
     lines = []
-    daemon = make_daemon(tmp_path / "mps", lines, encoder_sm_percent=25, encoders=frozenset({"encoder-0"}))
+    daemon = make_daemon(tmp_path / "mps", lines, encoder_sm_percent=25, encoder_below_normal=True,
+                         encoders=frozenset({"encoder-0"}))
     assert daemon.start() == {}
     assert lines == ["epd-launch: using the operator's MPS control daemon "
                      "(CUDA_MPS_PIPE_DIRECTORY=/run/epd-mps/pipe)"]
-    assert daemon.env_for("encoder-0") == {PERCENT: "25"}  # the pipe folder is inherited
+    assert daemon.env_for("encoder-0") == {PERCENT: "25", PRIORITY: "1"}  # the pipe folder is inherited
     assert daemon.env_for("generator-0") == {}
     daemon.stop()
     assert len(lines) == 1 and stand_in.calls() == [] and not (tmp_path / "mps").exists()

@@ -21,8 +21,8 @@ from pipeline.launch.auto_placement import PlanWorkload, choose_placement
 from pipeline.launch.config import ENCODE_FALLBACKS, ConfigError, dump_config, expand_config, settings_of
 from pipeline.launch.placement import PLACEMENTS, describe
 from pipeline.launch.plan import (
-    DEVICES, DTYPES, MODES, MPS_MODES, ROLES, LaunchError, LaunchOptions, host_facts, http_url, mps_config,
-    plan_gpus, plan_stages, uses_cuda)
+    DEVICES, DTYPES, ENCODER_PRIORITIES, MODES, MPS_MODES, ROLES, LaunchError, LaunchOptions, host_facts, http_url,
+    mps_config, plan_gpus, plan_stages, uses_cuda)
 from pipeline.launch.supervisor import SupervisorConfig, run_supervisor
 from pipeline.launch.systemd_units import write_units
 from pipeline.logs import FORMATS, LEVELS
@@ -67,6 +67,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--encoder-sm-percent", type=int, metavar="N",
                    help="MPS: cap each encoder at N%% of its GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; "
                    "default: no cap)")
+    p.add_argument("--encoder-priority", choices=ENCODER_PRIORITIES, default="normal",
+                   help="MPS: the encoders' client priority (CUDA_MPS_CLIENT_PRIORITY); below-normal: where "
+                   "both are ready, the generators' kernels are scheduled first (default: normal)")
     auto = p.add_argument_group("--placement auto: the profile and the workload to plan for")
     auto.add_argument("--profile", type=Path, metavar="FILE",
                       help="bin/epd-plan's profile (default: the one it cached for this model and GPU)")
@@ -175,7 +178,7 @@ def build_options(args: argparse.Namespace) -> LaunchOptions:
                             tuple(args.stage_arg) + forwarded_stage_args(args),
                             random_weights=args.random_weights, drain_timeout=args.drain_timeout,
                             placement=args.placement, mps=args.mps, encoder_sm_percent=args.encoder_sm_percent,
-                            profile=args.profile)
+                            encoder_priority=args.encoder_priority, profile=args.profile)
     run_dir.mkdir(mode=0o700, exist_ok=True)
     return options
 

@@ -21,6 +21,7 @@ Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Placement = Literal["auto", "colocated", "dedicated"]
 Mps = Literal["auto", "on", "off"]
+EncoderPriority = Literal["normal", "below-normal"]
 EncodeFallback = Literal["off", "local"]
 ENCODE_FALLBACKS = typing.get_args(EncodeFallback)
 
@@ -47,6 +48,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     placement: Placement | None = None
     mps: Mps | None = None
     encoder_sm_percent: int | None = None
+    encoder_priority: EncoderPriority | None = None
     profile: str | None = None
     images: int | None = None
     image_size: str | None = None

@@ -38,6 +38,7 @@ from pipeline.arena.shm import pid_alive
 PIPE_VAR = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_VAR = "CUDA_MPS_LOG_DIRECTORY"
 SM_PERCENT_VAR = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+PRIORITY_VAR = "CUDA_MPS_CLIENT_PRIORITY"   # 0 normal, 1 below normal
 PID_FILE = "nvidia-cuda-mps-control.pid"
 CONTROL_SOCKET = "control"
 LONGEST_SOCKET = "control_privileged"  # the longest name the daemon binds in the pipe folder
@@ -56,6 +57,7 @@ class MpsConfig:
     clients: frozenset[str]  # instances pointed at the daemon: every CUDA stage
     required: bool = False  # True: no daemon, no launch; False: a warning, and on without MPS
     encoder_sm_percent: int | None = None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for `encoders`
+    encoder_below_normal: bool = False  # CUDA_MPS_CLIENT_PRIORITY=1 for `encoders`
     encoders: frozenset[str] = frozenset()
     control: str = "nvidia-cuda-mps-control"  # looked up on PATH
     start_timeout: float = 10.0  # `-d` until ready
@@ -129,6 +131,8 @@ class MpsDaemon:
         env = dict(self.client_env)
         if instance in self.config.encoders and self.config.encoder_sm_percent is not None:
             env[SM_PERCENT_VAR] = str(self.config.encoder_sm_percent)
+        if instance in self.config.encoders and self.config.encoder_below_normal:
+            env[PRIORITY_VAR] = "1"
         return env
 
     def stop(self) -> None:

@@ -27,6 +27,7 @@ MODES = ("epd", "aggregated")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 MPS_MODES = ("auto", "on", "off")
+ENCODER_PRIORITIES = ("normal", "below-normal")
 
 # Flags the plan sets itself. Passing one through --stage-arg would silently
 # win over the plan (argparse keeps the last value), e.g. two stages on one GPU.
@@ -79,6 +80,7 @@ class LaunchOptions:
     placement: str = "auto"  # colocated, dedicated, or auto (the planner's pick)
     mps: str = "auto"  # a private MPS daemon: auto (where stages share a GPU), on, off
     encoder_sm_percent: int | None = None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for encoders
+    encoder_priority: str = "normal"  # or "below-normal": CUDA_MPS_CLIENT_PRIORITY=1 for encoders
     profile: Path | None = None  # epd-plan's profile for --placement auto (else the cached one)
 
     def __post_init__(self) -> None:
@@ -90,6 +92,9 @@ class LaunchOptions:
                 raise LaunchError(f"--encoder-sm-percent must be in 1..100 (got {self.encoder_sm_percent})")
             if self.mps == "off":
                 raise LaunchError("--encoder-sm-percent needs MPS (it is MPS's per-client SM share); drop --mps off")
+        _check_choice("--encoder-priority", self.encoder_priority, ENCODER_PRIORITIES)
+        if self.encoder_priority != "normal" and self.mps == "off":
+            raise LaunchError("--encoder-priority needs MPS (it is MPS's client priority); drop --mps off")
         _check_choice("--device", self.device, DEVICES)
         if self.dtype is not None:
             _check_choice("--dtype", self.dtype, DTYPES)
@@ -267,7 +272,9 @@ def mps_config(options: LaunchOptions, specs: list[StageSpec], run_dir: Path) ->
         return None
     encoders = frozenset(s.instance for s in cuda if s.role == "encoder")
     return MpsConfig(run_dir / "mps", frozenset(s.instance for s in cuda), required=options.mps == "on",
-                     encoder_sm_percent=options.encoder_sm_percent, encoders=encoders, shared=tuple(shared))
+                     encoder_sm_percent=options.encoder_sm_percent,
+                     encoder_below_normal=options.encoder_priority == "below-normal", encoders=encoders,
+                     shared=tuple(shared))
 
 
 def http_url(host: str, port: int, path: str, *, for_client: bool = False) -> str:
