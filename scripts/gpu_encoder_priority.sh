@@ -8,15 +8,7 @@
 # with the encoders at below-normal priority. Then, if SEARCH=1, a 2-step
 # 4-image / 400-token search of the below-normal layout.
 # TINY=1 runs the same on the CPU with the tiny model (a smoke test).
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee "$OUT/log.txt") 2>&1
-if [ "${TINY:-0}" != 1 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_prelude.sh"
 R=/tmp/priority; rm -rf "$R"; mkdir -p "$R"
 rate=${MIXED_RATE:-21.66}
 timing=(--step-s 40 --warmup-s 10); tiny=()

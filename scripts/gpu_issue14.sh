@@ -12,15 +12,7 @@
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
 # results of PHASE 1 from results/ (copy the files PHASE 1 brought back
 # there). TINY=1 runs the same on the CPU with the tiny model.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee "$OUT/log.txt") 2>&1
-if [ "${TINY:-0}" != 1 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-  nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_prelude.sh"
 R=/tmp/issue14; mkdir -p "$R"; cp results/* "$R/" 2>/dev/null
 tiny=(); [ "${TINY:-0}" = 1 ] && { tiny=(--tiny --image-size 224 --output-len 16 --step-s "${STEP_S:-8}"); SIZE=224 OLEN=16; }
 # A call cut off at its limit loses what only the end would copy: a tarball

@@ -8,18 +8,12 @@
 #   run(command="PHASE=agg bash scripts/gpu_qwen3_sustained.sh", carry=[".whl"])
 #   run(command="PHASE=epd B4=LOW:HIGH B1=LOW:HIGH bash scripts/gpu_qwen3_sustained.sh", carry=[".whl"])
 # TINY=1 runs the same on the CPU with the tiny Qwen3-VL shape.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee "$OUT/log.txt") 2>&1
+source "$(dirname "$0")/device_prelude.sh"
 if [ "${TINY:-0}" != 1 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-  nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
   shape=qwen3-vl-4b; rule=(--step-s 40 --warmup-s 10); limit=560
 else
   shape=qwen3-vl-tiny; rule=(--tiny --image-size 224 --output-len 16 --step-s 8 --warmup-s 2); limit=400
 fi
-export PYTHONUNBUFFERED=1
 R=/tmp/qwen3; mkdir -p "$R"
 (while sleep 20; do tar czf "$OUT/partial.tgz" -C /tmp qwen3 2>/dev/null; done) &
 if [ "$PHASE" = agg ]; then
