@@ -68,10 +68,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_engine(model, tokenizer, device, batch: int, context: int, steps: int, extra: dict) -> Engine:
+AHEAD = "/ahead"   # a setting's name with this suffix runs with EngineConfig.decode_ahead
+
+
+def make_engine(model, tokenizer, device, batch: int, context: int, steps: int, extra: dict,
+                ahead: bool = False, warm_up: bool = True) -> Engine:
     kv_bytes = (8 << 30) if device.type == "cuda" else (256 << 20)
     engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
-                                                   max_num_seqs=batch + 1, kv_cache_bytes=kv_bytes), device)
+                                                   max_num_seqs=batch + 1, kv_cache_bytes=kv_bytes,
+                                                   decode_ahead=ahead), device)
     vocab = min(150000, model.cfg.text.vocab_size)
     for i in range(batch):
         ids = [int(x) for x in np.random.default_rng(i).integers(0, vocab, context)]
@@ -79,20 +84,41 @@ def make_engine(model, tokenizer, device, batch: int, context: int, steps: int, 
         params = SamplingParams(max_tokens=steps + 20, ignore_eos=True,
                                 **{**extra, "seed": None if seed is None else seed + i})
         engine.add_request(f"r{i}", MultimodalPrompt(ids, [], []), [], params)
-    for _ in range(4):   # the prefill, then decodes until the graphs are captured
+    for _ in range(4 if warm_up else 0):   # the prefill, then decodes until the graphs are captured
         engine.step()
     sync(device)
     return engine
 
 
 def step_times(engine: Engine, device, steps: int) -> list[float]:
+    """Each step's time as the engine's loop sees it, not synced: a step
+    that waits for its tokens ends with the device idle, and one that runs
+    ahead (decode_ahead) returns while the next forward runs, so in both the
+    time of a step is the period of the loop."""
+    sync(device)
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         engine.step()
-        sync(device)
         times.append(time.perf_counter() - started)
+    sync(device)
     return times
+
+
+def same_tokens(model, tokenizer, device, batch: int, context: int, steps: int) -> bool:
+    """Greedy tokens of `steps` decode steps, from the engine that waits and from one that runs ahead."""
+    got = []
+    for ahead in (False, True):
+        # No warm-up steps: their outputs would be dropped, and an engine that
+        # runs ahead hands a step's tokens out one step later.
+        engine = make_engine(model, tokenizer, device, batch, context, steps + 8, {}, ahead, warm_up=False)
+        tokens: dict[str, list[int]] = defaultdict(list)
+        for _ in range(steps):
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        got.append({rid: ids[:steps - 2] for rid, ids in tokens.items()})
+        del engine
+    return got[0] == got[1] and len(got[0]) == batch
 
 
 def step_ms(engine: Engine, device, steps: int) -> float:
@@ -194,6 +220,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--profile", action="append", default=[], metavar="SETTING",
                    help="print torch.profiler's table of 10 steps of this setting (repeatable)")
     p.add_argument("--breakdown-steps", type=int, default=10, help="steps for the per-piece breakdown (0: none)")
+    p.add_argument("--check-only", action="store_true", help="only the decode-ahead token check")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -205,6 +232,12 @@ def main(argv: list[str]) -> int:
     print("pieces: " + ", ".join(f"{k} {v:.3f}" for k, v in out["pieces_ms"].items()) + " ms", flush=True)
     settings = dict(SETTINGS)
     settings["penalties+logprobs5+json"] = dict(PENALTIES, logprobs=5, grammar=json_grammar())
+    for name in ("greedy", "penalties+logprobs5", "penalties+logprobs5+json"):
+        settings[name + AHEAD] = settings[name]
+    out["ahead_same_greedy_tokens"] = same_tokens(model, tokenizer, device, args.batch, args.context, 24)
+    print(f"decode ahead: greedy tokens equal to the waiting engine's: {out['ahead_same_greedy_tokens']}", flush=True)
+    if args.check_only:
+        return 0 if out["ahead_same_greedy_tokens"] else 1
     # One engine at a time: each takes its own KV cache and graphs (several
     # engines' graphs alive at once in one process hit an illegal memory
     # access on the H200, not yet understood). The settings take turns,
@@ -216,11 +249,11 @@ def main(argv: list[str]) -> int:
         last = round_index == args.rounds - 1
         for name, extra in settings.items():
             engine = make_engine(model, tokenizer, device, args.batch, args.context,
-                                 args.steps + (args.breakdown_steps if last else 0) + 12, extra)
+                                 args.steps + (args.breakdown_steps if last else 0) + 12, extra, name.endswith(AHEAD))
             medians[name].append(step_ms(engine, device, args.steps))
             if last and name in args.profile:
                 out[f"{name}_profile"] = profile_steps(engine, device)
-            if last and args.breakdown_steps:
+            if last and args.breakdown_steps and not name.endswith(AHEAD):   # syncs would undo the overlap
                 parts = out[f"{name}_breakdown_ms"] = breakdown_ms(engine, device, args.breakdown_steps,
                                                                    "grammar" in extra)
                 print(f"    {name} inside (synced): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
@@ -229,7 +262,9 @@ def main(argv: list[str]) -> int:
         print(f"round {round_index + 1}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in medians.items()) + " ms",
               flush=True)
     for name, values in medians.items():
-        ratios = [value / greedy for value, greedy in zip(values, medians["greedy"])]
+        # Each against greedy in the same engine mode (an "/ahead" setting against greedy/ahead).
+        base = medians["greedy" + (AHEAD if name.endswith(AHEAD) else "")]
+        ratios = [value / greedy for value, greedy in zip(values, base)]
         out[f"{name}_ms"] = float(np.median(values))
         out[f"{name}_vs_greedy"] = float(np.median(ratios))
         out[f"{name}_round_ratios"] = ratios

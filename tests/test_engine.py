@@ -144,8 +144,8 @@ def test_batched_requests_equal_each_run_alone(tiny, aggregated, fast_decode):
     assert engine.profile.window().keys() == {"seconds", "outside_share"}   # a new, empty window
 
 
-@pytest.mark.parametrize("fast_decode", [False, True])
-def test_stress_random_requests_delays_and_aborts(tiny, fast_decode):
+@pytest.mark.parametrize("fast_decode,ahead", [(False, False), (True, False), (True, True)])
+def test_stress_random_requests_delays_and_aborts(tiny, fast_decode, ahead):
     """200 random requests, random embedding delays, random aborts: each one
     completes or aborts cleanly and nothing is left allocated."""
     model, processor = tiny
@@ -162,7 +162,8 @@ def test_stress_random_requests_delays_and_aborts(tiny, fast_decode):
             aborts.setdefault(arrival + rng.randrange(20), []).append(rid)
     # Tight KV and encoder-cache budgets force preemption and pending embeddings.
     config = EngineConfig(max_num_batched_tokens=128, max_num_seqs=16, block_size=8, kv_cache_bytes=256 << 10,
-                          encoder_cache_tokens=400, orphan_embedding_ttl=0.0, fast_decode=fast_decode)
+                          encoder_cache_tokens=400, orphan_embedding_ttl=0.0, fast_decode=fast_decode,
+                          decode_ahead=ahead)
     engine = Engine(model, processor.tokenizer, config, torch.device("cpu"))
     max_tokens = 6
     outputs, finished = run_engine(engine, model, requests, arrivals, delay, max_tokens, aborts)

@@ -118,17 +118,23 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.last_bucket: tuple[int, int] | None = None   # the (batch, length) bucket of the last step
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._copied: torch.cuda.Event | None = None   # recorded after the last copy out of `staging`
 
     def run(self, token_ids: list[int], positions: torch.Tensor, block_tables: list[list[int]],
-            context_lens: list[int]) -> torch.Tensor:
+            context_lens: list[int], device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [batch, vocab] of one decode token per request; the token
-        of row i sits at index context_lens[i] of its sequence."""
+        of row i sits at index context_lens[i] of its sequence.
+        `device_tokens` [batch], on the device: the rows' input tokens as the
+        last step sampled them, not read back yet (token_ids then holds
+        placeholders)."""
         batch = len(token_ids)
         if batch > self.max_batch or max(context_lens) + 1 > self.max_len:
             raise ValueError("decode batch exceeds the captured limits")
         bb, lb = _bucket(batch, 1), _bucket(max(context_lens) + 1, self.min_len)
         self.last_bucket = (bb, lb)
         self._fill(token_ids, positions, block_tables, context_lens, bb, lb)
+        if device_tokens is not None:
+            self.token_ids[:batch].copy_(device_tokens)
         if not self.use_graphs:
             return self._forward(bb, lb)[:batch]
         if (bb, lb) not in self.graphs:
@@ -168,6 +174,11 @@ class DecodeGraphs:
         bucket reads are sent (the full width would be megabytes a step);
         they sit contiguously after the header, as that bucket's graph views
         them. Rows past the batch are padding: they point at the null block."""
+        if self._copied is not None:
+            # The last step's copy out of the mirror must be done before it is
+            # written again: with the engine's decode ahead, nothing else has
+            # waited for that step yet.
+            self._copied.synchronize()
         n, mb, bs, null = len(token_ids), self.max_batch, self.cache.block_size, self.null_block
         cols = -(-lb // bs)
         host = self.staging.numpy()
@@ -186,6 +197,9 @@ class DecodeGraphs:
             row[:len(used)] = used
         end = self.header + bb * cols
         self.inputs[:end].copy_(self.staging[:end], non_blocking=True)
+        if self.inputs.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def _tables(self, bb: int, lb: int) -> torch.Tensor:
         cols = -(-lb // self.cache.block_size)

@@ -24,6 +24,7 @@ from pipeline.engine.plan import FinishedRequest, SchedulerConfig
 from pipeline.engine.request import ImageSpan, Request, RequestStatus, SamplingParams
 from pipeline.models.spec import span_rows
 from pipeline.engine.runner import ModelRunner, PromptGeometry
+from pipeline.engine.ahead import DecodeAhead
 from pipeline.engine.choose import choose
 from pipeline.engine.grammar import Grammars
 from pipeline.engine.request_phases import RequestPhases
@@ -68,6 +69,11 @@ class EngineConfig:
     # "triton" wherever the fused decode kernels run. On the 2xH200 box it
     # took batch-1 decode from 2.93 to 2.81 ms (docs/benchmarks.md, run G).
     decode_matmul: str | None = None
+    # Fast decode steps launched before the last one's tokens are read, so
+    # the host's work of a step overlaps the device's (engine/ahead.py).
+    # None: on CUDA. At batch 32 on the H200 it took a greedy decode step
+    # from 4.31 to 3.29 ms, with the same tokens (docs/benchmarks.md).
+    decode_ahead: bool | None = None
 
     def __post_init__(self):
         if self.decode_matmul is not None and self.decode_matmul not in MATMULS:
@@ -126,6 +132,8 @@ class Engine:
         self.refetch: list[str] = []
         self.profile = StepProfile()   # per-window step timings, for the generator's log
         self.last_step_idle = False   # the last step ran nothing (every request waits on images)
+        self.ahead = DecodeAhead()
+        self._decode_ahead = config.decode_ahead if config.decode_ahead is not None else device.type == "cuda"   # a decode step in flight, read by the next step (engine/ahead.py)
         self._arrivals = 0
 
     def _mixed(self, model, kv: PagedKVCache, num_blocks: int, decode: DecodeGraphs | None,
@@ -208,7 +216,11 @@ class Engine:
         return aborted
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.ahead.launched is not None
+
+    def grammars_if_any(self) -> Grammars | None:
+        """The grammar matchers' home, once a request has had a grammar."""
+        return self._grammars
 
     # ------------------------------------------------- what the generator asks
 
@@ -258,13 +270,16 @@ class Engine:
         """Counters since start: scheduler yields and preemptions, step profile."""
         stats = self.scheduler.stats
         return {"yields": stats["yields_total"], "preemptions": stats["preemptions_total"],
-                **self.profile.counters()}
+                "decode_ahead_steps": self.ahead.steps, **self.profile.counters()}
 
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._admit_pending()
+        if self.ahead.launched is not None:
+            self.last_step_idle = False
+            return self.ahead.step(self)
         plan = self.scheduler.schedule()
         self.last_step_idle = not plan.chunks and not plan.encode_keys
         self.refetch += plan.refetch_keys
@@ -278,30 +293,35 @@ class Engine:
             started = time.monotonic()
             for chunk in plan.chunks:
                 self.live[chunk.request_id].phases.on_scheduled(started)
-            cache = self.scheduler.encoder_cache
-            due, logits = self.runner.execute(plan, {c.request_id: self.scheduler.get_request(c.request_id)
-                                                     for c in plan.chunks},
-                                              {c.request_id: self.live[c.request_id].geometry
-                                               for c in plan.chunks}, cache.get)
+            requests = {c.request_id: self.scheduler.get_request(c.request_id) for c in plan.chunks}
+            due, logits = self.runner.execute(plan, requests, {c.request_id: self.live[c.request_id].geometry
+                                                               for c in plan.chunks}, self.scheduler.encoder_cache.get)
             # On a GPU the forward is only queued so far. The grammar masks need
             # only the tokens consumed already: the host fills them now, before
             # the first read that waits for the logits (in choose()).
             masks = self._grammars.fill([self.live[c.request_id].matcher for c in due]) if self._grammars else None
-            rows = [self._sampling_row(c.request_id) for c in due]
+            rows = [self.sampling_row(c.request_id) for c in due]
+            if self._decode_ahead and self.runner.is_fast_decode(plan, requests):
+                self.ahead.launch(self, plan, due, logits, rows, masks)   # read by the next step (engine/ahead.py)
+                self._record(plan, t0, t1, t2, time.perf_counter())
+                return []
             chosen = choose(logits, rows, self.penalties, masks, self._grammars)
             sampled = dict(zip((c.request_id for c in due), chosen.tokens))
             logprobs = {due[i].request_id: lp for i, lp in chosen.logprobs.items()}
         t3 = time.perf_counter()
         finished = {f.request_id: f for f in self.scheduler.update(plan, sampled)}
-        outputs = [self._output(rid, token, finished.get(rid), logprobs.get(rid)) for rid, token in sampled.items()]
+        outputs = [self.token_output(rid, token, finished.get(rid), logprobs.get(rid)) for rid, token in sampled.items()]
         self.scheduler.encoder_cache.drain_freed()
+        self._record(plan, t0, t1, t2, t3)
+        return outputs
+
+    def _record(self, plan, t0: float, t1: float, t2: float, t3: float) -> None:
         tokens = sum(c.num_tokens for c in plan.chunks)
         phases = {"schedule": t1 - t0, "forward": t3 - t2, "update": time.perf_counter() - t3}
         if plan.encode_keys:
             phases["encode"] = t2 - t1
         self.profile.record(step_kind(tokens, len(plan.chunks), len(plan.encode_keys)), phases, tokens,
                             len(plan.chunks))
-        return outputs
 
     def _admit_pending(self) -> None:
         now = time.monotonic()
@@ -320,7 +340,7 @@ class Engine:
         for key, embedding in zip(keys, embeddings):
             self.scheduler.encoder_cache.set_payload(key, embedding)
 
-    def _sampling_row(self, request_id: str) -> SamplingRow:
+    def sampling_row(self, request_id: str) -> SamplingRow:
         request = self.scheduler.get_request(request_id)
         params = request.sampling_params
         banned: tuple[int, ...] = ()
@@ -342,7 +362,7 @@ class Engine:
         if live is not None and live.pool_row is not None:
             self.penalties.give_back(live.pool_row)
 
-    def _output(self, request_id: str, token: int, finished: FinishedRequest | None,
+    def token_output(self, request_id: str, token: int, finished: FinishedRequest | None,
                 logprobs=None) -> RequestOutput:
         live = self.live[request_id]
         live.phases.on_token(time.monotonic())

@@ -45,14 +45,22 @@ class ModelRunner:
         pixels = torch.cat([p for p, _ in inputs]).to(self.device)
         return self.vision(pixels, [g for _, g in inputs])
 
+    def is_fast_decode(self, plan: StepPlan, requests: dict[str, Request]) -> bool:
+        """The plan runs on the decode graphs: one token past its prompt for every chunk."""
+        return self.decode is not None and all(c.num_tokens == 1 and c.start >= requests[c.request_id].num_prompt_tokens
+                                               for c in plan.chunks)
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan, requests: dict[str, Request], geometry: dict[str, PromptGeometry],
-                embeddings) -> tuple[list[Chunk], torch.Tensor]:
+                embeddings, device_tokens: torch.Tensor | None = None) -> tuple[list[Chunk], torch.Tensor]:
         """Run the plan's chunks; returns the chunks due a sample and their
-        logits rows [n, vocab]. `embeddings(key)` gives a cached image embedding."""
-        if self.decode is not None and all(c.num_tokens == 1 and c.start >= requests[c.request_id].num_prompt_tokens
-                                           for c in plan.chunks):
-            return plan.chunks, self._decode(plan, requests, geometry)
+        logits rows [n, vocab]. `embeddings(key)` gives a cached image
+        embedding. `device_tokens`: a fast decode plan's input tokens, still
+        on the device (see DecodeGraphs.run)."""
+        if self.is_fast_decode(plan, requests):
+            return plan.chunks, self._decode(plan, requests, geometry, device_tokens)
+        if device_tokens is not None:
+            raise ValueError("device_tokens are for fast decode plans only")
         ids, slices, splices = [], [], []
         positions = _StepPositions(self.model)
         offset = 0
@@ -82,14 +90,14 @@ class ModelRunner:
         logits = self.model.logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
         return due, logits
 
-    def _decode(self, plan: StepPlan, requests: dict[str, Request],
-                geometry: dict[str, PromptGeometry]) -> torch.Tensor:
+    def _decode(self, plan: StepPlan, requests: dict[str, Request], geometry: dict[str, PromptGeometry],
+                device_tokens: torch.Tensor | None) -> torch.Tensor:
         chunks = plan.chunks
         reqs = [requests[c.request_id] for c in chunks]
         positions = self.model.decode_step_positions([c.start for c in chunks],
                                                      [geometry[c.request_id].delta for c in chunks])
         return self.decode.run([r.token_ids_between(c.start, c.end)[0] for r, c in zip(reqs, chunks)], positions,
-                               [r.block_ids.view() for r in reqs], [c.start for c in chunks])
+                               [r.block_ids.view() for r in reqs], [c.start for c in chunks], device_tokens)
 
 
 class _StepPositions:

@@ -38,7 +38,9 @@ from pipeline.engine.kv_blocks import BlockPool, blocks_needed
 from pipeline.engine.plan import Chunk, FinishedRequest, SchedulerConfig, StepPlan
 from pipeline.engine.request import ImageSpan, Request, RequestStatus, stop_status
 
-__all__ = ["Chunk", "FinishedRequest", "Scheduler", "SchedulerConfig", "StepPlan"]
+__all__ = ["Chunk", "FinishedRequest", "PENDING_TOKEN", "Scheduler", "SchedulerConfig", "StepPlan"]
+
+PENDING_TOKEN = -1   # an output token sampled on the device and not read yet (Scheduler.advance)
 
 
 @dataclass
@@ -289,8 +291,18 @@ class Scheduler:
         """Apply an executed plan: advance progress, append sampled tokens for
         chunks due a sample, end stopped requests. Chunks of requests that
         ended after the plan was made are skipped."""
+        due = [c.request_id for c in plan.chunks if c.sample and (r := self._requests.get(c.request_id)) is not None
+               and r.status is RequestStatus.RUNNING]
+        if missing := [rid for rid in due if rid not in sampled]:
+            raise ValueError(f"no sampled token for request {missing[0]}")
+        self.advance(plan)
+        return self.resolve({rid: sampled[rid] for rid in due})
+
+    def advance(self, plan: StepPlan) -> None:
+        """update()'s first half, for a plan whose sampled tokens are still on
+        the device (engine/ahead.py): progress advances, and each sampled
+        chunk's request gets PENDING_TOKEN until resolve() has the real one."""
         self._in_flight = set()
-        finished: list[FinishedRequest] = []
         for chunk in plan.chunks:
             request = self._requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -300,15 +312,37 @@ class Scheduler:
                                    f"{request.num_computed_tokens} tokens computed")
             request.num_computed_tokens += chunk.num_tokens
             if chunk.sample:
-                if chunk.request_id not in sampled:
-                    raise ValueError(f"no sampled token for request {chunk.request_id}")
-                request.output_token_ids.append(sampled[chunk.request_id])
-                status = stop_status(request)
-                if status is not None:
-                    finished.append(self._finish(request, status))
-                    continue
+                request.output_token_ids.append(PENDING_TOKEN)
             self._sync_cache_users(request)
+
+    def resolve(self, sampled: dict[str, int]) -> list[FinishedRequest]:
+        """The second half: pending tokens become the sampled ones; the
+        requests they stop end; those that ended since (aborts) are skipped."""
+        finished: list[FinishedRequest] = []
+        for request_id, token in sampled.items():
+            request = self._requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            if not request.output_token_ids or request.output_token_ids[-1] != PENDING_TOKEN:
+                raise RuntimeError(f"request {request_id} has no pending token to resolve")
+            request.output_token_ids[-1] = token
+            status = stop_status(request)
+            if status is not None:
+                finished.append(self._finish(request, status))
         return finished
+
+    def can_decode_ahead(self, request_ids: set[str]) -> bool:
+        """The next plan can be made before the last one's tokens are read:
+        nobody waits or is refetched, every running request decodes (it was
+        in `request_ids`, the last plan's), and one more token each fits in
+        the free blocks (a preempted request would recompute a pending token)."""
+        if self.waiting or self._refetch or not self.running:
+            return False
+        if any(r.request_id not in request_ids or r.num_tokens - r.num_computed_tokens != 1 for r in self.running):
+            return False
+        size = self.config.block_size
+        needing = sum(1 for r in self.running if blocks_needed(r.num_computed_tokens + 1, size) > len(r.block_ids))
+        return needing <= self.block_pool.num_free and len(self.running) <= self.config.max_num_batched_tokens
 
     def _finish(self, request: Request, status: RequestStatus) -> FinishedRequest:
         if request.status is RequestStatus.RUNNING:
