@@ -119,7 +119,6 @@ class DecodeAhead:
         return outputs
 
 
-
 def _running(engine, request_id: str) -> bool:
     request = engine.scheduler.get_request(request_id)
     return request is not None and request.status is RequestStatus.RUNNING and request_id in engine.live

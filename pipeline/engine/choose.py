@@ -3,8 +3,9 @@ for them, its logprobs, with one wait on the device.
 
 The sampler (sample_on_device) and the logprobs (logprob_table) are queued
 one behind the other (queue_choice), and a single queued copy brings the
-tokens and the logprob table to the host, which read() waits for: before, the tokens came back first and the logprobs'
-top-k ran only after, a second wait with the device idle in between. Then,
+tokens and the logprob table to the host, which read() waits for: before,
+the tokens came back first and the logprobs' top-k ran only after, a second
+wait with the device idle in between. Then,
 on the host, the grammar matchers consume their tokens in one parallel call
 and the penalties' counts take the new tokens (queued on the device, from
 the tokens still there). At batch 32 the step waits on the host, not the

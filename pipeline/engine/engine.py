@@ -132,8 +132,8 @@ class Engine:
         self.refetch: list[str] = []
         self.profile = StepProfile()   # per-window step timings, for the generator's log
         self.last_step_idle = False   # the last step ran nothing (every request waits on images)
-        self.ahead = DecodeAhead()
-        self._decode_ahead = config.decode_ahead if config.decode_ahead is not None else device.type == "cuda"   # a decode step in flight, read by the next step (engine/ahead.py)
+        self.ahead = DecodeAhead()   # a decode step in flight, read by the next step (engine/ahead.py)
+        self._decode_ahead = config.decode_ahead if config.decode_ahead is not None else device.type == "cuda"
         self._arrivals = 0
 
     def _mixed(self, model, kv: PagedKVCache, num_blocks: int, decode: DecodeGraphs | None,
@@ -310,7 +310,8 @@ class Engine:
             logprobs = {due[i].request_id: lp for i, lp in chosen.logprobs.items()}
         t3 = time.perf_counter()
         finished = {f.request_id: f for f in self.scheduler.update(plan, sampled)}
-        outputs = [self.token_output(rid, token, finished.get(rid), logprobs.get(rid)) for rid, token in sampled.items()]
+        outputs = [self.token_output(rid, token, finished.get(rid), logprobs.get(rid))
+                   for rid, token in sampled.items()]
         self.scheduler.encoder_cache.drain_freed()
         self._record(plan, t0, t1, t2, t3)
         return outputs
@@ -363,7 +364,7 @@ class Engine:
             self.penalties.give_back(live.pool_row)
 
     def token_output(self, request_id: str, token: int, finished: FinishedRequest | None,
-                logprobs=None) -> RequestOutput:
+                     logprobs=None) -> RequestOutput:
         live = self.live[request_id]
         live.phases.on_token(time.monotonic())
         chosen = (logprobs,) if logprobs is not None else ()

@@ -47,8 +47,8 @@ class ModelRunner:
 
     def is_fast_decode(self, plan: StepPlan, requests: dict[str, Request]) -> bool:
         """The plan runs on the decode graphs: one token past its prompt for every chunk."""
-        return self.decode is not None and all(c.num_tokens == 1 and c.start >= requests[c.request_id].num_prompt_tokens
-                                               for c in plan.chunks)
+        return self.decode is not None and all(
+            c.num_tokens == 1 and c.start >= requests[c.request_id].num_prompt_tokens for c in plan.chunks)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, requests: dict[str, Request], geometry: dict[str, PromptGeometry],

@@ -285,6 +285,7 @@ class Dispatcher:
 
     def _handle_down_stages(self) -> None:
         now = time.monotonic()
+        newly_waiting: dict[str, int] = {}
         for flight in list(self.flights.values()):
             if self.up(flight.generator) or flight.generator not in self.last_seen:
                 flight.orphaned_at = None   # it answers again: the request goes on where it is
@@ -292,10 +293,12 @@ class Dispatcher:
                 self._redispatch(flight)
             elif flight.orphaned_at is None:
                 flight.orphaned_at = now
-                log.warning("request %s: generator %s looks down and no other is up: it waits up to %.0f s "
-                            "for one", flight.work.request.request_id, flight.generator, self.orphan_timeout)
+                newly_waiting[flight.generator] = newly_waiting.get(flight.generator, 0) + 1
             elif now - flight.orphaned_at >= self.orphan_timeout:
                 self._redispatch(flight)
+        for generator, count in newly_waiting.items():   # one line a generator, not one a request
+            log.warning("generator %s looks down and no other is up: %d of its request(s) wait up to %.0f s "
+                        "for one", generator, count, self.orphan_timeout)
         if not self.aggregated:
             for flight in list(self.flights.values()):
                 for job in flight.work.jobs:
