@@ -360,3 +360,46 @@ def test_the_real_engine_answers_the_generator_s_questions(tiny_dir):
     assert engine.take_refetches() == ["k"] and engine.take_refetches() == []
     engine.abort("r")
     assert not engine.embedding_needed("k") and engine.embedding_users("k") == frozenset()
+
+
+@pytest.mark.parametrize("aborted", [False, True])
+def test_the_service_over_an_engine_that_decodes_ahead_streams_what_a_waiting_one_does(store, tiny_dir, aborted):
+    """The real engine on the CPU's fast decode path, with and without
+    decode ahead (engine/ahead.py): a step that only launches hands the
+    service no outputs, and the next one hands it the last step's. The
+    proxy sees the same deltas either way; an abort mid-decode ends only
+    its request."""
+    loaded = load_model(tiny_dir)
+    processor = Processor.from_checkpoint(tiny_dir, loaded.config.image_token_id)
+
+    def streamed(ahead: bool) -> dict:
+        engine = Engine(loaded.model, processor.tokenizer,
+                        EngineConfig(kv_cache_bytes=8 << 20, fast_decode=True, fast_mixed=False, decode_ahead=ahead),
+                        torch.device("cpu"))
+        harness = Harness(store, engine)
+        got: dict[str, list] = {}
+        requests = [protocol.GenerateRequest(f"q{i}", tuple(range(3 + i, 20 + 3 * i)), (), (), (),
+                                             protocol.Sampling(6 + 2 * i, ignore_eos=True), PROXY) for i in range(3)]
+        sent = harness.turn(*requests)
+        for turn in range(200):
+            if aborted and turn == 4:
+                harness.inbound.put(protocol.AbortRequest(("q1",)))
+            for _, rid, tokens, finished, status in deltas(sent):
+                got.setdefault(rid, []).append((tokens, finished, status))
+            if not engine.has_work():
+                break
+            sent = harness.turn()
+        harness.service.close()
+        assert engine.scheduler.block_pool.num_used == 0 and not engine.live
+        return got
+
+    waiting, ahead = streamed(False), streamed(True)
+    flat = {rid: [t for tokens, _, _ in parts for t in tokens] for rid, parts in ahead.items()}
+    want = {rid: [t for tokens, _, _ in parts for t in tokens] for rid, parts in waiting.items()}
+    for rid in ("q0", "q2"):
+        assert flat[rid] == want[rid] and ahead[rid][-1][1] and len(flat[rid]) == 6 + 2 * int(rid[1:])
+    if aborted:   # it streamed a step less before the abort landed: outputs come a step later
+        assert flat["q1"] == want["q1"][:len(flat["q1"])] and len(flat["q1"]) < 8
+        assert not any(finished for _, finished, _ in ahead["q1"])
+    else:
+        assert flat["q1"] == want["q1"] and len(flat["q1"]) == 8
