@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pipeline.engine.encoder_cache import EncoderCache
+from pipeline.engine.admission import check_admissible
 from pipeline.engine.kv_blocks import BlockPool, blocks_needed
 from pipeline.engine.plan import Chunk, FinishedRequest, SchedulerConfig, StepPlan
 from pipeline.engine.request import ImageSpan, Request, RequestStatus, stop_status
@@ -379,24 +380,9 @@ class Scheduler:
         self.stats["yields_total"] += 1
 
     def _check_admissible(self, request: Request) -> None:
-        rid = request.request_id
-        if rid in self._requests:
-            raise ValueError(f"request {rid} is already scheduled")
-        if (request.status is not RequestStatus.WAITING or request.num_computed_tokens
-                or request.block_ids or request.output_token_ids):
-            raise ValueError(f"request {rid} must be new (waiting, nothing computed or generated)")
-        longest = request.num_prompt_tokens + request.sampling_params.max_tokens
-        if blocks_needed(longest, self.config.block_size) > self.config.num_blocks:
-            raise ValueError(f"request {rid}: {longest} tokens need more KV blocks than the "
-                             f"{self.config.num_blocks} the cache has")
-        for span in request.image_spans:
-            if span.item_tokens > self.config.encoder_cache_tokens:
-                raise ValueError(f"request {rid}: an image of {span.item_tokens} tokens exceeds "
-                                 f"encoder_cache_tokens={self.config.encoder_cache_tokens}")
-            if self.config.aggregated and span.item_tokens > self.config.local_encode_tokens:
-                raise ValueError(f"request {rid}: an image of {span.item_tokens} tokens exceeds "
-                                 f"local_encode_tokens={self.config.local_encode_tokens}")
-
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id} is already scheduled")
+        check_admissible(self.config, request)
 
 def _next_keys(requests) -> set[str]:
     return {key for r in requests if (key := r.next_image_key()) is not None}

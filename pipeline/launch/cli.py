@@ -30,6 +30,19 @@ from pipeline.processing.chat_template import is_template_text
 from pipeline.models.shape_configs import SHAPES  # torch-free
 
 
+def _add_mps_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mps", choices=MPS_MODES, default="auto",
+                   help="a private NVIDIA MPS daemon for the GPU stages: auto (where stages share a GPU), "
+                   "on (always; fail if it cannot start), off; an operator's daemon is used when "
+                   "CUDA_MPS_PIPE_DIRECTORY is set")
+    p.add_argument("--encoder-sm-percent", type=int, metavar="N",
+                   help="MPS: cap each encoder at N%% of its GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; "
+                   "default: no cap)")
+    p.add_argument("--encoder-priority", choices=ENCODER_PRIORITIES, default="normal",
+                   help="MPS: the encoders' client priority (CUDA_MPS_CLIENT_PRIORITY); below-normal: where "
+                   "both are ready, the generators' kernels are scheduled first (default: normal)")
+
+
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="epd-launch", description=__doc__.splitlines()[0])
     p.add_argument("--encoders", type=int, metavar="N",
@@ -60,16 +73,7 @@ def build_parser() -> OneLineParser:
                    help="colocated: a generator on every GPU, encoders beside them (free GPUs first); "
                    "dedicated: one stage per GPU, encoders first, round-robin past the GPU count; "
                    "auto (default): the planner's pick from a profile (--profile), else colocated")
-    p.add_argument("--mps", choices=MPS_MODES, default="auto",
-                   help="a private NVIDIA MPS daemon for the GPU stages: auto (where stages share a GPU), "
-                   "on (always; fail if it cannot start), off; an operator's daemon is used when "
-                   "CUDA_MPS_PIPE_DIRECTORY is set")
-    p.add_argument("--encoder-sm-percent", type=int, metavar="N",
-                   help="MPS: cap each encoder at N%% of its GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; "
-                   "default: no cap)")
-    p.add_argument("--encoder-priority", choices=ENCODER_PRIORITIES, default="normal",
-                   help="MPS: the encoders' client priority (CUDA_MPS_CLIENT_PRIORITY); below-normal: where "
-                   "both are ready, the generators' kernels are scheduled first (default: normal)")
+    _add_mps_flags(p)
     auto = p.add_argument_group("--placement auto: the profile and the workload to plan for")
     auto.add_argument("--profile", type=Path, metavar="FILE",
                       help="bin/epd-plan's profile (default: the one it cached for this model and GPU)")
