@@ -102,6 +102,8 @@ def measure_decode_inputs(repeats: int = 300) -> float:
     graphs.header = 6 * graphs.max_batch
     graphs.staging = torch.zeros(graphs.header + graphs.max_batch * 512, dtype=torch.long)
     graphs.inputs = torch.zeros_like(graphs.staging)
+    graphs._copied = None   # no copy in flight (read by checkouts since decode ahead)
+    graphs.axes = 3         # M-RoPE position rows (the header above holds 3 + axes rows)
     requests = [Request(f"r{i}", [1], (), SamplingParams(150)) for i in range(90)]
     for i, request in enumerate(requests):
         request.block_ids.extend(list(range(1 + i * 200, 1 + i * 200 + 163)))
