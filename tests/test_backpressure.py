@@ -30,14 +30,6 @@ from pipeline.models.loader import load_model
 from pipeline.processing.image import ImageProcessorConfig
 
 
-def wait_until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(0.005)
-
-
 def test_held_media_wait_for_earlier_ones_to_be_freed():
     budget = HeldBytes(1000)
     first = torch.zeros(200)                      # 800 bytes

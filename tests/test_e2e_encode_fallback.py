@@ -21,16 +21,10 @@ from pipeline.hashing import content_hash, media_salt
 from pipeline.processing.image import ImageProcessorConfig
 from pipeline.proxy.routing import encoder_order
 from stack import Stack
+from waiting import until
 
 FALLBACK_ON = "no encoder is up: generators encode the images themselves"
 FALLBACK_OFF = "an encoder is up: encode jobs go to the encoders again"
-
-
-def until(condition, what: str, deadline_s: float = 30.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
 
 
 def nothing_held(stack: Stack, dead: tuple[str, ...] = ()) -> None:

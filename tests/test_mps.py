@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.launch.mps import MpsConfig, MpsDaemon, MpsError
+from waiting import until
 from pipeline.launch.plan import StageSpec
 from pipeline.launch.supervisor import SupervisorConfig
 from test_launch import Launcher, assert_all_gone
@@ -103,15 +104,6 @@ def gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat.rpartition(")")[2].split()[0] == "Z"
-
-
-def wait_until(condition, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class StandIn:
@@ -207,7 +199,7 @@ def test_a_daemon_never_ready_is_killed_and_its_folder_removed(stand_in, tmp_pat
         make_daemon(tmp_path / "mps", [], start_timeout=1.0).start()
     assert 1.0 <= time.monotonic() - started < 5.0
     (pid,) = stand_in.daemons()
-    wait_until(lambda: gone(pid), f"the half-started daemon {pid} to die")
+    until(lambda: gone(pid), f"the half-started daemon {pid} to die", 10.0)
     assert not (tmp_path / "mps").exists()
 
 
@@ -220,7 +212,7 @@ def test_a_daemon_that_ignores_quit_is_killed_by_its_pid(stand_in, tmp_path):
     daemon.stop()
     assert lines[1:] == [f"epd-launch: the MPS control daemon (pid {pid}) did not quit within 0.5 s; killed it",
                          "epd-launch: stopped the MPS control daemon"]
-    wait_until(lambda: gone(pid), f"the daemon {pid} to die")
+    until(lambda: gone(pid), f"the daemon {pid} to die", 10.0)
     assert not (tmp_path / "mps").exists()
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from conftest import REPO
 import test_mps
-from test_mps import LOG, PIPE, StandIn, gone, wait_until
+from test_mps import LOG, PIPE, StandIn, gone
+from waiting import until
 
 stand_in = test_mps.stand_in  # the fixture: the stand-in first on PATH, and no daemon outlives a test
 
@@ -123,7 +124,7 @@ def test_ready_only_once_the_daemon_listens_and_watchdog_pings_while_it_lives(se
         with socket.socket(socket.AF_UNIX) as old:
             old.bind(str(tmp_path / "pipe" / "control"))
     svc = service()
-    (pid,) = wait_until(stand_in.daemons, "the daemon to start")
+    (pid,) = until(stand_in.daemons, "the daemon to start", 10.0)
     svc.hear(lambda h: "STATUS=starting the MPS control daemon" in h, "the starting STATUS")
     started = len(svc.heard)
     svc.hear(lambda h: pings_since(h, started) >= 3, "pings while starting")   # 0.6 s, not listening
@@ -196,7 +197,7 @@ def test_a_daemon_never_ready_is_killed_after_the_start_timeout(service, stand_i
 def test_a_stop_before_the_daemon_is_ready_kills_it(service, stand_in):
     stand_in.rules({"bind_on_cue": True})
     svc = service()
-    (pid,) = wait_until(stand_in.daemons, "the daemon to start")
+    (pid,) = until(stand_in.daemons, "the daemon to start", 10.0)
     svc.proc.send_signal(signal.SIGTERM)
     assert svc.finish() == 1
     assert svc.err == ["epd-mps: error: SIGTERM before the MPS control daemon was ready; killing it"]

@@ -19,6 +19,7 @@ import pytest
 from conftest import REPO, image_bytes, random_image
 from e2e_helpers import client, data_url, serving
 from stack import Stack
+from waiting import until
 from video_clips import write_clip
 
 pytest.importorskip("transformers")
@@ -104,22 +105,11 @@ def test_a_repeated_clip_is_encoded_once(served):
     first = ask(stack, clip)
     assert ask(stack, clip, stream=True) == first
     # One new clip, asked twice: its second request is served from the arena.
-    assert wait_until(lambda: encoded() - settled >= 1) and encoded() - settled == 1
+    until(lambda: encoded() - settled >= 1, "the clip's encode to be counted (stats are polled)", 10.0)
+    assert encoded() - settled == 1
     # Other sampling settings are another embedding.
     ask(stack, clip, mm_processor_kwargs={"num_frames": 4})
-    assert wait_until(lambda: encoded() - settled >= 2)
-
-
-def wait_until(condition, deadline_s: float = 10.0) -> bool:
-    """Stats are polled every 0.5 s: wait for the condition, within a deadline."""
-    import time
-
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
+    until(lambda: encoded() - settled >= 2, "the other settings' encode to be counted", 10.0)
 
 
 def wait_for_metrics_to_settle(read, quiet_s: float = 1.2) -> float:
