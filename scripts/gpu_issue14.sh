@@ -8,6 +8,9 @@
 #   run(command="PHASE=5 bash scripts/gpu_issue14.sh", carry=[".whl"])  # profile; aggregated 4x400, mixed search + interference
 #   run(command="MIXED_RATE=R PHASE=6 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD 4x400 + interference; SM share 50
 #   run(command="MIXED_RATE=R PHASE=7 bash scripts/gpu_issue14.sh", carry=[".whl"])  # interference, SM share 50; 1x400; no MPS
+# Session 14 (decode ahead on by default), the same rule:
+#   run(command="PHASE=8 bash scripts/gpu_issue14.sh", carry=[".whl"])  # aggregated: 4x400, 4x2000, 1x2000, interference
+#   run(command="PHASE=9 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD colocated: the same
 # Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
 # results of PHASE 1 from results/ (copy the files PHASE 1 brought back
@@ -75,6 +78,12 @@ elif [ "$PHASE" = 7 ]; then
     --workload 1:400:2:33:40
   timeout 150 python3 scripts/gpu_sustained.py --layout epd --out "$R/p7-nomps" "${tiny[@]}" $long \
     --workload 4:400:2:13:17 --launch-arg=--mps=off
+elif [ "$PHASE" = 8 ] || [ "$PHASE" = 9 ]; then
+  layout=aggregated; b4=12:17; b42=7.5:11; b12=16:23
+  [ "$PHASE" = 9 ] && { layout=epd; b4=13.5:19; b42=8.5:13; b12=18:27; }
+  timeout 560 python3 scripts/gpu_sustained.py --layout $layout --out "$R/p$PHASE" "${tiny[@]}" $long \
+    --workload "4:400:3:$b4" --workload "4:2000:2:$b42" --workload "1:2000:2:$b12" \
+    --interference-rate "${MIXED_RATE:-21.66}"
 fi
 rc=$?
 # Few, shallow files come back: the profile, the summaries and a tarball of everything.
