@@ -216,13 +216,16 @@ def test_vllm_named_series_are_served(epd):
         return {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")}
 
     chat(epd, IMAGES[1], "count the tokens", max_tokens=6)
-    with httpx.stream("POST", epd.base_url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": chat_messages([], "keep going"), "max_tokens": 400, "stream": True,
-            "ignore_eos": True}) as r:
+    # Long enough to span several of the proxy's stats polls (every 0.5 s):
+    # the tiny model decodes 400 tokens in less than one poll interval.
+    long_tokens = 3000
+    with httpx.stream("POST", epd.base_url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": chat_messages([], "keep going"), "max_tokens": long_tokens,
+            "stream": True, "ignore_eos": True}) as r:
         lines = r.iter_lines()
         next(lines)
         usage = until(lambda: max(s.value for s in families()["vllm:kv_cache_usage_perc"].samples),
-                      "a KV cache usage above 0 while the 400-token request runs", deadline_s=10, interval_s=0.1)
+                      "a KV cache usage above 0 while the long request runs", deadline_s=30, interval_s=0.1)
         for _ in lines:
             pass
     assert 0 < usage <= 1
@@ -242,7 +245,7 @@ def test_vllm_named_series_are_served(epd):
     total = lambda name, **labels: sum(s.value for s in found[name].samples  # noqa: E731
                                        if s.name == name + "_total" and all(s.labels.get(k) == v
                                                                             for k, v in labels.items()))
-    assert total("vllm:generation_tokens") >= 406 and total("vllm:prompt_tokens") > 0
+    assert total("vllm:generation_tokens") >= long_tokens + 6 and total("vllm:prompt_tokens") > 0
     assert total("vllm:request_success", finished_reason="length") >= 2
     counts = [s.value for s in found["vllm:e2e_request_latency_seconds"].samples if s.name.endswith("_count")]
     assert counts and counts[0] >= 2
@@ -256,9 +259,9 @@ def test_vllm_named_series_are_served(epd):
         count, seconds = histogram(f"vllm:request_{phase}_time_seconds")
         assert count == counts[0] and seconds > 0, phase     # every finished request, once
     e2e_seconds = histogram("vllm:e2e_request_latency_seconds")[1]
-    assert 0 < histogram("vllm:request_decode_time_seconds")[1] < e2e_seconds   # the 400-token one decoded a while
+    assert 0 < histogram("vllm:request_decode_time_seconds")[1] < e2e_seconds   # the long one decoded a while
     count, seconds = histogram("vllm:inter_token_latency_seconds")
-    assert count >= 399 and 0 < seconds < e2e_seconds         # every interval after a first token
+    assert count >= long_tokens - 1 and 0 < seconds < e2e_seconds         # every interval after a first token
 
     # The dashboard in the repository names only series this server has.
     text = httpx.get(epd.base_url + "/metrics", timeout=10).text
