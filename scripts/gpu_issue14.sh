@@ -11,6 +11,10 @@
 # Session 14 (decode ahead on by default), the same rule:
 #   run(command="PHASE=8 bash scripts/gpu_issue14.sh", carry=[".whl"])  # aggregated: 4x400, 4x2000, 1x2000, interference
 #   run(command="PHASE=9 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD colocated: the same
+# Session 15 (search steps offer their nominal rates: arrivals_within paces them):
+#   run(command="PHASE=10 bash scripts/gpu_issue14.sh", carry=[".whl"])  # aggregated: 4x400, 4x2000, 1x2000
+#   run(command="PHASE=11 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD colocated: the same
+#   run(command="PHASE=12 bash scripts/gpu_issue14.sh", carry=[".whl"])  # the profile and the planner's predictions
 # Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
 # results of PHASE 1 from results/ (copy the files PHASE 1 brought back
@@ -84,12 +88,19 @@ elif [ "$PHASE" = 8 ] || [ "$PHASE" = 9 ]; then
   timeout 560 python3 scripts/gpu_sustained.py --layout $layout --out "$R/p$PHASE" "${tiny[@]}" $long \
     --workload "4:400:3:$b4" --workload "4:2000:2:$b42" --workload "1:2000:2:$b12" \
     --interference-rate "${MIXED_RATE:-21.66}"
+elif [ "$PHASE" = 10 ] || [ "$PHASE" = 11 ]; then
+  layout=aggregated; b4=12:17; b42=7.5:11; b12=19:24
+  [ "$PHASE" = 11 ] && { layout=epd; b4=13.5:19; b42=8.5:13; b12=20:25; }
+  timeout 560 python3 scripts/gpu_sustained.py --layout $layout --out "$R/p$PHASE" "${tiny[@]}" $long \
+    --workload "4:400:3:$b4" --workload "1:2000:2:$b12" --workload "4:2000:2:$b42"
+elif [ "$PHASE" = 12 ]; then
+  REPEATS=3 profile_box
 fi
 rc=$?
 # Few, shallow files come back: the profile, the summaries and a tarball of everything.
 kill %1 2>/dev/null
 cp "$R"/profile.json "$R"/*summary.json "$R"/p[34]/*summary.json "$OUT/" 2>/dev/null
-for d in "$R"/p[5-7]*; do [ -d "$d" ] && cp "$d/$(ls "$d" | grep summary.json | head -1)" "$OUT/$(basename "$d")-summary.json"; done 2>/dev/null
+for d in "$R"/p[5-9]* "$R"/p1[0-9]; do [ -d "$d" ] && cp "$d/$(ls "$d" | grep summary.json | head -1)" "$OUT/$(basename "$d")-summary.json"; done 2>/dev/null
 tar czf "$OUT/issue14-phase$PHASE.tgz" -C /tmp issue14 && rm -f "$OUT/partial.tgz"
 ls "$OUT"
 exit $rc

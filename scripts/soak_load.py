@@ -84,7 +84,7 @@ class Result:
 
 
 def plan_load(rng: np.random.Generator, duration_s: float, rate: float, mix: Mix = Mix()) -> list[Planned]:
-    """The requests that arrive within `duration_s` at `rate` a second (Poisson)."""
+    """rate * duration_s requests spread over `duration_s` (Poisson gaps, their count fixed)."""
     offsets = arrivals_within(duration_s, rate, 1.0, rng, least=1)
     run_token = int(rng.integers(2 ** 62))   # another seed sends other bytes
     recent: list[NoiseImage] = []

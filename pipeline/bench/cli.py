@@ -83,8 +83,8 @@ def build_parser() -> OneLineParser:
                    "(default 0.9, DistServe's SLO attainment)")
     p.add_argument("--search-steps", type=int, default=6, help="search: most steps")
     p.add_argument("--search-step-s", type=float, default=DEFAULT_STEP_S, metavar="S",
-                   help=f"search: seconds of arrivals per step: a step sends the requests that arrive within S "
-                   f"(about rate*S; at least {MIN_STEP_PROMPTS}, at most --num-prompts if given; "
+                   help=f"search: seconds of arrivals per step: a step sends rate*S requests spread over S "
+                   f"(the warm-up its share; at least {MIN_STEP_PROMPTS}, at most --num-prompts if given; "
                    f"default {DEFAULT_STEP_S:g})")
     p.add_argument("--search-budget-s", type=float, metavar="S",
                    help="search: start no step that would likely end after S seconds")
@@ -167,7 +167,8 @@ async def run_search(args: argparse.Namespace, dataset: RandomMMConfig, slos: di
                             args.seed, slos, not args.no_progress, window=settings.window(),
                             stop=settings.stop(), save_detailed=args.save_detailed) as runner:
         async def measure(rate: float, index: int) -> dict:
-            return await runner.measure(rate, index, ArrivalSpan(settings.step_s, MIN_STEP_PROMPTS, args.num_prompts))
+            span = ArrivalSpan(settings.step_s, MIN_STEP_PROMPTS, args.num_prompts, settings.warmup_s)
+            return await runner.measure(rate, index, span)
 
         return await search_max_goodput(measure, settings, on_step)
 

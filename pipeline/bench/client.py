@@ -244,11 +244,13 @@ async def _cancel_rest(tasks: list[asyncio.Task], requests: list[BenchRequest], 
 
 @dataclass(frozen=True)
 class ArrivalSpan:
-    """A search step's arrivals: all those within `seconds`, but at least
-    `least` and at most `most` requests."""
+    """A search step's arrivals: those of `seconds` at the step's rate, the
+    first `warmup_s` of them warm-up, but at least `least` and at most `most`
+    requests."""
     seconds: float
     least: int
     most: int | None = None
+    warmup_s: float = 0.0
 
 
 class BenchRunner:
@@ -275,7 +277,8 @@ class BenchRunner:
             requests = sample_requests(self.dataset, rng)
             offsets = arrival_offsets(len(requests), rate, self.burstiness, rng).tolist()
         else:
-            offsets = arrivals_within(span.seconds, rate, self.burstiness, rng, span.least, span.most).tolist()
+            offsets = arrivals_within(span.seconds, rate, self.burstiness, rng, span.least, span.most,
+                                      span.warmup_s).tolist()
             requests = sample_requests(replace(self.dataset, num_prompts=len(offsets)), rng)
         progress = Progress(f"rate {rate:g}", len(requests), self.show_progress)
         records, duration = await run_load(self.session, self.base_url, self.model, requests, offsets,

@@ -216,6 +216,13 @@ def sample_requests(cfg: RandomMMConfig, rng: np.random.Generator) -> list[Bench
     return requests
 
 
+def _check_rate(rate: float, burstiness: float) -> None:
+    if not rate > 0:
+        raise ValueError("--request-rate must be > 0")
+    if not burstiness > 0:
+        raise ValueError("--burstiness must be > 0")
+
+
 def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
     """Send times in seconds after the start, first request at 0.
 
@@ -223,10 +230,7 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Gener
     burstiness 1 is a Poisson process, lower is burstier. rate=inf sends all
     at once.
     """
-    if not rate > 0:
-        raise ValueError("--request-rate must be > 0")
-    if not burstiness > 0:
-        raise ValueError("--burstiness must be > 0")
+    _check_rate(rate, burstiness)
     if math.isinf(rate):
         return np.zeros(n)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)
@@ -234,22 +238,37 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Gener
 
 
 def arrivals_within(span_s: float, rate: float, burstiness: float, rng: np.random.Generator,
-                    least: int, most: int | None = None) -> np.ndarray:
-    """Send times of the arrivals that fall in [0, span_s), as arrival_offsets
-    draws them, but at least `least` and at most `most` of them.
+                    least: int, most: int | None = None, warmup_s: float = 0.0) -> np.ndarray:
+    """Send times of a search step's arrivals in [0, span_s]: round(rate * L)
+    of them in each part of the step, the warm-up [0, warmup_s) and the
+    measurement window [warmup_s, span_s] (L: the part's length), but at least
+    `least` and at most `most` in all. Each part's first arrival is at its
+    start and the window's last at its end, so the window offers its rate
+    to within rounding.
 
-    A search step is a length of time, not a count: a fixed count of Poisson
-    arrivals at 1.7 req/s can end 10 s early or late in a 40 s step, which
-    leaves a window after the warm-up far shorter (or longer) than the step
-    promises. Drawn this way, the count varies and the span does not.
+    A step is a length of time, not a count: a fixed count of arrivals at 1.7
+    req/s can end 10 s early or late in a 40 s step. Nor is the count left to
+    chance: Poisson counts made a step's offered rate its seed's luck (with
+    the default seed, a search's first three steps offered 0.95x, 1.04x and
+    1.13x their nominal rates, the same at every rate), so a search judged
+    its later, higher steps at well above the rates it named. Within a part
+    the gaps are gamma(shape=burstiness) draws scaled to fill it, so the
+    arrivals keep their burstiness.
     """
     if not span_s > 0 or math.isinf(rate):
         raise ValueError("a span of arrivals needs span_s > 0 and a finite rate")
-    expected = rate * span_s
-    drawn = arrival_offsets(max(least, int(expected + 6 * math.sqrt(expected / burstiness) + 16)),
-                            rate, burstiness, rng)
-    while drawn[-1] < span_s:  # a long run of short gaps: draw on from the last arrival
-        more = arrival_offsets(len(drawn) + 1, rate, burstiness, rng)[1:]
-        drawn = np.concatenate([drawn, drawn[-1] + more])
-    count = max(least, int(np.searchsorted(drawn, span_s)))
-    return drawn[:count if most is None else min(most, count)]
+    _check_rate(rate, burstiness)
+    cuts = [0.0, warmup_s, span_s] if 0 < warmup_s < span_s else [0.0, span_s]
+    parts = []
+    for begin, end in zip(cuts, cuts[1:]):
+        count = max(1, round(rate * (end - begin)))
+        # count - 1 gaps between the arrivals; the warm-up's last is a gap
+        # before the window's first, the window's last arrival lands at its end.
+        last_part = end == span_s
+        gaps = rng.gamma(shape=burstiness, size=count - 1 if last_part else count)
+        steps = np.concatenate([[0.0], np.cumsum(gaps)])[:count]
+        parts.append(np.minimum(begin + (end - begin) * steps / (gaps.sum() if gaps.size else 1.0), end))
+    drawn = np.concatenate(parts)
+    if len(drawn) < least:  # a slow rate: `least` arrivals at it, past the span
+        drawn = arrival_offsets(least, rate, burstiness, rng)
+    return drawn if most is None else drawn[:most]
