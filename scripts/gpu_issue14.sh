@@ -15,6 +15,8 @@
 #   run(command="PHASE=10 bash scripts/gpu_issue14.sh", carry=[".whl"])  # aggregated: 4x400, 4x2000, 1x2000
 #   run(command="PHASE=11 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD colocated: the same
 #   run(command="PHASE=12 bash scripts/gpu_issue14.sh", carry=[".whl"])  # the profile and the planner's predictions
+#   run(command="PHASE=13 bash scripts/gpu_issue14.sh", carry=[".whl"])  # aggregated above PHASE 10's brackets, then PHASE 12
+#   run(command="PHASE=14 bash scripts/gpu_issue14.sh", carry=[".whl"])  # 1 image, 400 tokens: both layouts
 # Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
 # results of PHASE 1 from results/ (copy the files PHASE 1 brought back
@@ -90,11 +92,21 @@ elif [ "$PHASE" = 8 ] || [ "$PHASE" = 9 ]; then
     --interference-rate "${MIXED_RATE:-21.66}"
 elif [ "$PHASE" = 10 ] || [ "$PHASE" = 11 ]; then
   layout=aggregated; b4=12:17; b42=7.5:11; b12=19:24
-  [ "$PHASE" = 11 ] && { layout=epd; b4=13.5:19; b42=8.5:13; b12=20:25; }
+  [ "$PHASE" = 11 ] && { layout=epd; b4=13.5:19; b42=8.5:13; b12=20:26; }
+  b4=${B4:-$b4}; b42=${B42:-$b42}; b12=${B12:-$b12}
   timeout 560 python3 scripts/gpu_sustained.py --layout $layout --out "$R/p$PHASE" "${tiny[@]}" $long \
     --workload "4:400:3:$b4" --workload "1:2000:2:$b12" --workload "4:2000:2:$b42"
 elif [ "$PHASE" = 12 ]; then
   REPEATS=3 profile_box
+elif [ "$PHASE" = 13 ]; then  # aggregated above PHASE 10's brackets where it passed at their top, then PHASE 12
+  timeout 300 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/p13" "${tiny[@]}" $long \
+    --workload "1:2000:2:22.6:27" --workload "4:2000:2:10:13"
+  REPEATS=3 profile_box
+elif [ "$PHASE" = 14 ]; then  # 1 image, 400 tokens, both layouts
+  timeout 270 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/p14a" "${tiny[@]}" $long \
+    --workload "1:400:2:${B1A:-34:44}"
+  timeout 270 python3 scripts/gpu_sustained.py --layout epd --out "$R/p14e" "${tiny[@]}" $long \
+    --workload "1:400:2:${B1E:-36:48}"
 fi
 rc=$?
 # Few, shallow files come back: the profile, the summaries and a tarball of everything.

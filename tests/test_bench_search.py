@@ -86,8 +86,8 @@ def test_target_resolution_and_budget_bound_the_steps():
     found, _ = search(measure, SearchSettings(1.0, 64.0, SLOS, target=0.4, max_steps=3))
     assert all(s["passed"] for s in found["steps"])  # 0.5 attainment meets a 0.4 target
     measure, calls = fake_server_with_capacity(5.0)
-    search(measure, SearchSettings(4.0, 4.1, SLOS, resolution=0.05))
-    assert calls == []  # the bracket is already finer than the resolution
+    search(measure, SearchSettings(4.0, 4.1, SLOS, resolution=0.02))
+    assert len(calls) == 1  # 4.1 / 4.05 is within the resolution: one step, then done
     clock = [0.0]
     measure, calls = fake_server_with_capacity(5.0, clock, step_s=10.0)
     found, _ = search(measure, SearchSettings(1.0, 64.0, SLOS, max_steps=6, budget_s=25.0), clock)
@@ -106,6 +106,7 @@ def test_sustained_rate_is_the_lower_of_offered_and_achieved():
     (dict(low=0.0, high=4.0), "0 < LOW < HIGH"), (dict(low=4.0, high=4.0), "0 < LOW < HIGH"),
     (dict(low=1.0, high=float("inf")), "HIGH < inf"), (dict(low=1.0, high=4.0, target=0.0), "--goodput-target"),
     (dict(low=1.0, high=4.0, max_steps=0), "--search-steps"),
+    (dict(low=4.0, high=4.1, resolution=0.05), "already within --search-resolution 0.05"),
     (dict(low=1.0, high=4.0, budget_s=0.0), "--search-budget-s"),
     (dict(low=1.0, high=4.0, slos={}), "needs --goodput"),
     (dict(low=1.0, high=4.0, criterion="p50"), "--search-criterion"),

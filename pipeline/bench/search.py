@@ -74,6 +74,10 @@ class SearchSettings:
             raise ValueError(f"--search-steps must be >= 1 (got {self.max_steps})")
         if not self.resolution > 0:
             raise ValueError(f"--search-resolution must be > 0 (got {self.resolution:g})")
+        if not self.high / self.low > 1 + self.resolution:
+            # Such a search would run no step and then report that none passed.
+            raise ValueError(f"--request-rate search:{self.low:g}:{self.high:g} is already within "
+                             f"--search-resolution {self.resolution:g}: widen it or lower the resolution")
         if self.budget_s is not None and not self.budget_s > 0:
             raise ValueError(f"--search-budget-s must be > 0 (got {self.budget_s:g})")
         self.window()  # built to validate their fields; their errors name the flags
