@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
 
-from pipeline.bench.dataset import PIXEL_POOL_SIZE, WORDS, NoiseImage, arrivals_within
+from pipeline.bench.dataset import PIXEL_POOL_SIZE, NoiseImage, arrivals_within
+from pipeline.prompt_words import WORDS
 
 IMAGE_SIZES = ((56, 56), (112, 112), (112, 168), (224, 224))
 RECENT_IMAGES = 16          # a repeated image is one of the last this many distinct ones

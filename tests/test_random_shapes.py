@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, image_bytes, random_image
-from pipeline.bench.dataset import WORDS
+from pipeline.prompt_words import WORDS
 from pipeline.models.loader import load_config
 from pipeline.models.shape_configs import QWEN25_VL_SPECIAL_IDS, QWEN25_VL_VOCAB_SIZE, shape_config
 from pipeline.models.shape_folder import check_folder_matches, write_shape_folder

@@ -32,14 +32,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline.bench.clips import CLIP_POOL_SIZE, GeneratedClip
-
-WORDS = (
-    "the of and to in is that it was for on are as with his they at be this have from "
-    "or one had by word but not what all were we when your can said there use each which "
-    "she do how their if will up other about out many then them these so some her would "
-    "make like him into time has look two more write go see number no way could people my "
-    "than first water been call who oil its now find long down day did get come made may part"
-).split()
+from pipeline.prompt_words import WORDS
 
 # Images drawn from the shared pool come from this many distinct images per
 # size bucket: small enough that reuse produces repeated hashes quickly.

@@ -21,7 +21,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 
-from pipeline.bench.dataset import WORDS
+from pipeline.prompt_words import WORDS
 from pipeline.models.tiny_tokenizer import QWEN2_VL_CHAT_TEMPLATE, _tokenizer_config
 
 UNKNOWN = "<unk>"
