@@ -23,20 +23,16 @@ output tokens (costs read at the encoders' busy share, as capacity.py does):
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline.planner import capacity  # noqa: E402
-from pipeline.planner.profile import (  # noqa: E402
-    Profile, decode_step_s, image_tokens, load_profile, prefill_s_per_token, vision_batch_s)
-
-PLACEMENT = {"aggregated": "aggregated", "epd": "colocated"}
+from pipeline.planner.profile import Profile, decode_step_s, prefill_s_per_token, vision_batch_s  # noqa: E402
+from planner_vs_steps import read_runs  # noqa: E402
 GRAPH_PIECE_MAX = 16   # the stages' --vision-graphs in these runs
 
 
@@ -125,23 +121,13 @@ def sustained(steps: list[dict]) -> float | None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("results", type=Path)
-    p.add_argument("profile", type=Path)
-    p.add_argument("--image-size", default="640x640")
-    p.add_argument("--output-len", type=int, default=150)
-    args = p.parse_args(argv)
-    profile = load_profile(args.profile)
-    tokens = image_tokens(profile, *(int(v) for v in args.image_size.split("x")))
-    layouts = {layout.placement: layout for layout in capacity.candidate_layouts(1) if layout.encoders <= 1}
+    runs = read_runs(argv, __doc__.splitlines()[0])
     print("layout      workload     measured | this model        | capacity.py")
-    for name, workloads in json.loads(args.results.read_text())["steps"].items():
+    for name, workloads in runs.steps.items():
         for key, steps in workloads.items():
-            images, text = (int(v) for v in re.fullmatch(r"(\d+)img-(\d+)tok", key).groups())
-            work, layout = capacity.Workload(images, tokens, text, args.output_len), layouts[PLACEMENT[name]]
-            measured = sustained(steps)
-            rate, bound = max_rate(profile, work, layout)
-            main_model = capacity.predict(profile, work, layout)
+            work, layout, measured = runs.workload(key), runs.layouts[name], sustained(steps)
+            rate, bound = max_rate(runs.profile, work, layout)
+            main_model = capacity.predict(runs.profile, work, layout)
             error = lambda x: f"{100 * (x / measured - 1):+4.0f}%" if measured else "  n/a"  # noqa: E731
             print(f"{name:<11} {key:<12} {measured or 0:7.2f} | {rate:6.2f} {error(rate)} {bound:<12} | "
                   f"{main_model.max_rate:6.2f} {error(main_model.max_rate)} {main_model.bound}")
