@@ -17,7 +17,8 @@
 #   run(command="PHASE=12 bash scripts/gpu_issue14.sh", carry=[".whl"])  # the profile and the planner's predictions
 #   run(command="PHASE=13 bash scripts/gpu_issue14.sh", carry=[".whl"])  # aggregated above PHASE 10's brackets, then PHASE 12
 #   run(command="PHASE=14 bash scripts/gpu_issue14.sh", carry=[".whl"])  # 1 image, 400 tokens: both layouts
-#   run(command="PHASE=16 bash scripts/gpu_issue14.sh", carry=[".whl"])  # --max-num-seqs 256: 1x400 both, 4x400 EPD
+#   run(command="PHASE=16 bash scripts/gpu_issue14.sh", carry=[".whl"])  # aggregated at --max-num-seqs 256: 1x400, 1x2000, 4x400
+#   run(command="PHASE=17 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD colocated at --max-num-seqs 256: the same
 # Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
 # results of PHASE 1 from results/ (copy the files PHASE 1 brought back
@@ -108,12 +109,15 @@ elif [ "$PHASE" = 14 ]; then  # 1 image, 400 tokens, both layouts
     --workload "1:400:2:${B1A:-34:44}"
   timeout 270 python3 scripts/gpu_sustained.py --layout epd --out "$R/p14e" "${tiny[@]}" $long \
     --workload "1:400:2:${B1E:-36:48}"
-elif [ "$PHASE" = 16 ]; then  # both layouts at --max-num-seqs ${SEQS:-256} (128 capped both at 1 image)
+elif [ "$PHASE" = 16 ] || [ "$PHASE" = 17 ]; then  # --max-num-seqs ${SEQS:-256} (128 capped both layouts at 1 image)
   seqs=(--launch-arg=--stage-arg=generator=--max-num-seqs=${SEQS:-256})
-  timeout 200 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/p16a" "${tiny[@]}" $long "${seqs[@]}" \
-    --workload "1:400:2:${B1A:-40:56}"
-  timeout 330 python3 scripts/gpu_sustained.py --layout epd --out "$R/p16e" "${tiny[@]}" $long "${seqs[@]}" \
-    --workload "1:400:2:${B1E:-40:60}" --workload "4:400:2:${B4:-15:19}"
+  if [ "$PHASE" = 16 ]; then
+    timeout 540 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/p16" "${tiny[@]}" $long "${seqs[@]}" \
+      --workload "1:400:2:${B1A:-40:56}" --workload "1:2000:2:${B12A:-22:30}" --workload "4:400:2:${B4A:-13.5:16}"
+  else
+    timeout 540 python3 scripts/gpu_sustained.py --layout epd --out "$R/p17" "${tiny[@]}" $long "${seqs[@]}" \
+      --workload "1:400:2:${B1E:-40:60}" --workload "1:2000:2:${B12E:-22:30}" --workload "4:400:2:${B4E:-15:19}"
+  fi
 fi
 rc=$?
 # Few, shallow files come back: the profile, the summaries and a tarball of everything.
