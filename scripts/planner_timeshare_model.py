@@ -32,21 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline.planner import capacity  # noqa: E402
 from pipeline.planner.profile import Profile, decode_step_s, prefill_s_per_token, vision_batch_s  # noqa: E402
+from pipeline.bench.search import sustained_rate  # noqa: E402
+from pipeline.models.vision_graphs import plan_pieces  # noqa: E402
 from planner_vs_steps import read_runs  # noqa: E402
+
 GRAPH_PIECE_MAX = 16   # the stages' --vision-graphs in these runs
 
 
 def pieces_s(profile: Profile, tokens: int, images: float) -> float:
-    """Vision seconds for `images` images run as power-of-two pieces (a
-    fractional count blends the two whole counts around it)."""
+    """Vision seconds for `images` images of one size, cut into pieces as
+    the stages cut them (vision_graphs.plan_pieces); a fractional count
+    blends the two whole counts around it."""
     def whole(count: int) -> float:
-        total, piece = 0.0, GRAPH_PIECE_MAX
-        while count > 0:
-            while piece > count:
-                piece //= 2
-            total += vision_batch_s(profile, tokens, piece)
-            count -= piece
-        return total
+        pieces = plan_pieces([(1, 1, 1)] * count, GRAPH_PIECE_MAX)   # one grid: only the sizes matter
+        return sum(vision_batch_s(profile, tokens, len(indices)) for _, indices in pieces)
     low = math.floor(images)
     return (1 - (images - low)) * whole(low) + (images - low) * whole(low + 1)
 
@@ -114,10 +113,9 @@ def max_rate(profile: Profile, work: capacity.Workload, layout: capacity.Layout)
 
 
 def sustained(steps: list[dict]) -> float | None:
-    """The measured figure: min(offered, achieved) of the highest passing step."""
+    """The measured figure: the sustained rate of the highest passing step."""
     passing = [s for s in steps if s["passed"]]
-    best = max(passing, key=lambda s: s["request_rate"]) if passing else None
-    return min(best["offered_rate"], best["achieved_rate"]) if best else None
+    return sustained_rate(max(passing, key=lambda s: s["request_rate"])) if passing else None
 
 
 def main(argv: list[str]) -> int:
