@@ -19,6 +19,7 @@
 #   run(command="PHASE=14 bash scripts/gpu_issue14.sh", carry=[".whl"])  # 1 image, 400 tokens: both layouts
 #   run(command="PHASE=16 bash scripts/gpu_issue14.sh", carry=[".whl"])  # aggregated at --max-num-seqs 256: 1x400, 1x2000, 4x400
 #   run(command="PHASE=17 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD colocated at --max-num-seqs 256: the same
+#   run(command="PHASE=18 bash scripts/gpu_issue14.sh", carry=[".whl"])  # at 256: EPD 1x400, 1x2000; aggregated 1x400 lower
 # Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
 # results of PHASE 1 from results/ (copy the files PHASE 1 brought back
@@ -118,12 +119,18 @@ elif [ "$PHASE" = 16 ] || [ "$PHASE" = 17 ]; then  # --max-num-seqs ${SEQS:-256}
     timeout 540 python3 scripts/gpu_sustained.py --layout epd --out "$R/p17" "${tiny[@]}" $long "${seqs[@]}" \
       --workload "1:400:2:${B1E:-40:60}" --workload "1:2000:2:${B12E:-22:30}" --workload "4:400:2:${B4E:-15:19}"
   fi
+elif [ "$PHASE" = 18 ]; then  # PHASE 16 passed no step at 1 image: EPD at 256 near session 15's maxima, then aggregated below
+  seqs=(--launch-arg=--stage-arg=generator=--max-num-seqs=256)
+  timeout 330 python3 scripts/gpu_sustained.py --layout epd --out "$R/p18e" "${tiny[@]}" $long "${seqs[@]}" \
+    --workload "1:400:3:${B1E:-42:52}" --workload "1:2000:2:${B12E:-22:26}"
+  timeout 200 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/p18a" "${tiny[@]}" $long "${seqs[@]}" \
+    --workload "1:400:2:${B1A:-39:43.5}"
 fi
 rc=$?
 # Few, shallow files come back: the profile, the summaries and a tarball of everything.
 kill %1 2>/dev/null
 cp "$R"/profile.json "$R"/*summary.json "$R"/p[34]/*summary.json "$OUT/" 2>/dev/null
-for d in "$R"/p[5-9]* "$R"/p1[0-9]; do [ -d "$d" ] && cp "$d/$(ls "$d" | grep summary.json | head -1)" "$OUT/$(basename "$d")-summary.json"; done 2>/dev/null
+for d in "$R"/p[5-9]* "$R"/p1[0-9]*; do [ -d "$d" ] && cp "$d/$(ls "$d" | grep summary.json | head -1)" "$OUT/$(basename "$d")-summary.json"; done 2>/dev/null
 tar czf "$OUT/issue14-phase$PHASE.tgz" -C /tmp issue14 && rm -f "$OUT/partial.tgz"
 ls "$OUT"
 exit $rc
