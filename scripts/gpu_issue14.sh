@@ -19,6 +19,7 @@
 #   run(command="PHASE=14 bash scripts/gpu_issue14.sh", carry=[".whl"])  # 1 image, 400 tokens: both layouts
 #   run(command="PHASE=16 bash scripts/gpu_issue14.sh", carry=[".whl"])  # aggregated at --max-num-seqs 256: 1x400, 1x2000, 4x400
 #   run(command="PHASE=17 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD colocated at --max-num-seqs 256: the same
+#   run(command="PHASE=19 bash scripts/gpu_issue14.sh", carry=[".whl"])  # 1x2000 both layouts, one bracket, 3 steps
 #   run(command="PHASE=18 bash scripts/gpu_issue14.sh", carry=[".whl"])  # at 256: EPD 1x400, 1x2000; aggregated 1x400 lower
 # Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
@@ -125,6 +126,11 @@ elif [ "$PHASE" = 18 ]; then  # PHASE 16 passed no step at 1 image: EPD at 256 n
     --workload "1:400:3:${B1E:-42:52}" --workload "1:2000:2:${B12E:-22:26}"
   timeout 200 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/p18a" "${tiny[@]}" $long "${seqs[@]}" \
     --workload "1:400:2:${B1A:-39:43.5}"
+elif [ "$PHASE" = 19 ]; then  # 1 image, 2000 tokens at session 15's settings: one bracket, both layouts, 3 steps each
+  for layout in epd aggregated; do
+    timeout 250 python3 scripts/gpu_sustained.py --layout $layout --out "$R/p19-$layout" "${tiny[@]}" $long \
+      --workload "1:2000:3:${B12:-21.8:23.4}"
+  done
 fi
 rc=$?
 # Few, shallow files come back: the profile, the summaries and a tarball of everything.
