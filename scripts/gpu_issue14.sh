@@ -19,8 +19,8 @@
 #   run(command="PHASE=14 bash scripts/gpu_issue14.sh", carry=[".whl"])  # 1 image, 400 tokens: both layouts
 #   run(command="PHASE=16 bash scripts/gpu_issue14.sh", carry=[".whl"])  # aggregated at --max-num-seqs 256: 1x400, 1x2000, 4x400
 #   run(command="PHASE=17 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD colocated at --max-num-seqs 256: the same
-#   run(command="PHASE=19 bash scripts/gpu_issue14.sh", carry=[".whl"])  # 1x2000 both layouts, one bracket, 3 steps
 #   run(command="PHASE=18 bash scripts/gpu_issue14.sh", carry=[".whl"])  # at 256: EPD 1x400, 1x2000; aggregated 1x400 lower
+#   run(command="PHASE=19 bash scripts/gpu_issue14.sh", carry=[".whl"])  # 1x2000 both layouts, one bracket, 3 steps
 # Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
 # results of PHASE 1 from results/ (copy the files PHASE 1 brought back
