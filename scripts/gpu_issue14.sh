@@ -111,7 +111,7 @@ elif [ "$PHASE" = 14 ]; then  # 1 image, 400 tokens, both layouts
     --workload "1:400:2:${B1A:-34:44}"
   timeout 270 python3 scripts/gpu_sustained.py --layout epd --out "$R/p14e" "${tiny[@]}" $long \
     --workload "1:400:2:${B1E:-36:48}"
-elif [ "$PHASE" = 16 ] || [ "$PHASE" = 17 ]; then  # --max-num-seqs ${SEQS:-256} (128 capped both layouts at 1 image)
+elif [ "$PHASE" = 16 ] || [ "$PHASE" = 17 ]; then  # --max-num-seqs ${SEQS:-256} (128 capped EPD at 1 image; session 16: not aggregated)
   seqs=(--launch-arg=--stage-arg=generator=--max-num-seqs=${SEQS:-256})
   if [ "$PHASE" = 16 ]; then
     timeout 540 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/p16" "${tiny[@]}" $long "${seqs[@]}" \
