@@ -9,7 +9,8 @@
 # sustained maximum for it, session 9), 40 s of arrivals after 10 s of
 # warm-up, one layout after another, each started by bin/epd-launch alone:
 # RUNS (default "aggregated epd epd-high"; epd-high is EPD colocated with
-# --stage-arg generator=--stream-priority=high). SEARCH=LOW:HIGH adds a
+# --stage-arg generator=--stream-priority=high; a name ending in -tN runs
+# its layout at --max-num-batched-tokens N). SEARCH=LOW:HIGH adds a
 # 2-step 4-image / 400-token search of epd-high. MICRO=0 skips the first part.
 # TINY=1 runs the serving part on the CPU with the tiny model (a smoke test).
 source "$(dirname "$0")/device_prelude.sh"
@@ -35,14 +36,18 @@ for name in ${RUNS:-aggregated epd epd-high}; do
     epd-high*) args=(--layout epd "$high") ;;
     *) args=(--layout epd) ;;
   esac
+  # A name ending in -tN: every generator at --max-num-batched-tokens N.
+  [[ $name =~ -t([0-9]+)$ ]] && args+=("--launch-arg=--max-num-batched-tokens=${BASH_REMATCH[1]}")
   timeout 200 python3 scripts/gpu_sustained.py "${args[@]}" --out "$R/$name" "${tiny[@]}" "${timing[@]}" \
     --interference-rate "$rate"
+  # Kept as each run ends: a call cut short by its time limit keeps the runs it finished.
+  for f in "$R/$name"/*-summary.json "$R/$name"/*-mixed.json; do cp "$f" "$OUT/$name-$(basename "$f")"; done
 done
 if [ -n "${SEARCH:-}" ]; then
   timeout 200 python3 scripts/gpu_sustained.py --layout epd "$high" --out "$R/search-high" "${tiny[@]}" \
     "${timing[@]}" --workload "4:400:2:$SEARCH"
 fi
-for d in "$R"/*/; do cp "$d"*summary.json "$OUT/$(basename "$d")-summary.json" 2>/dev/null; done
+[ -d "$R/search-high" ] && cp "$R"/search-high/*.json "$OUT/"
 grep -h "stream priority\|MPS\|placement" "$R"/*/logs/*/*.log 2>/dev/null | sed 's/^.*\] //' | sort | uniq -c | head
 tar czf "$OUT/stream-priority.tgz" -C /tmp --exclude='mps-*' stream-priority
 ls "$OUT"

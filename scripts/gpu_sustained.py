@@ -143,7 +143,8 @@ def interference(args: argparse.Namespace, stack: LaunchedStack, rate: float) ->
     code = run_bench(bench, args.step_s + 120, args.out / "logs" / f"{name}.log")
     found = read_json(args.out / f"{name}.json") or {}
     return {"rate": rate, "exit": code, "bench": shlex.join(["bin/epd-bench", *bench]),
-            "by_class": found.get("by_class"), "p99_tpot_ms": found.get("p99_tpot_ms"),
+            "by_class": found.get("by_class"), "window_by_class": found.get("window_by_class"),
+            "p99_tpot_ms": found.get("p99_tpot_ms"),
             "offered_rate": found.get("offered_rate"),
             "achieved_rate": found.get("achieved_rate"), "failed": found.get("failed")}
 

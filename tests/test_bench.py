@@ -116,6 +116,7 @@ def test_text_only_fraction_mixes_the_load_and_splits_the_results():
     assert classes["text_only"]["completed"] == text_only
     assert classes["with_images"]["completed"] == 20 - text_only
     assert 9.5 <= classes["text_only"]["p99_tpot_ms"] < 20 and classes["with_images"]["median_ttft_ms"] >= 50
+    assert r["window_by_class"] == classes   # no warm-up: the window holds every request
     # Without the option, nothing changes: no class split, every request has its image.
     (plain,), seen = asyncio.run(sweep_against_fake(small_dataset(num_prompts=4), [float("inf")], {}))
     assert "by_class" not in plain and all(len(b["messages"][0]["content"]) == 2 for b in seen)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.bench.metrics import RequestRecord
+from pipeline.bench.metrics import RequestRecord, by_class
 from pipeline.bench.stop import DRAIN_TIMEOUT, FELL_BEHIND, StopRule, next_check_at, stop_reason
-from pipeline.bench.window import (SHIFT_SAMPLE, WindowSpec, latency_shift, sustained_summary, window_latencies,
-                                   window_summary)
+from pipeline.bench.window import (SHIFT_SAMPLE, WindowSpec, in_window, latency_shift, sustained_summary,
+                                   window_latencies, window_summary)
 
 ARRIVALS = [i / 8 for i in range(81)]  # 8 req/s over [0, 10] s
 
@@ -90,6 +90,20 @@ def test_window_slo_figures_leave_the_warmup_out():
     everything = window_latencies(slow_warmup + window, WindowSpec(), {"ttft": 200})
     assert everything["window_p99_ttft_ms"] > 2000 and everything["window_slo_attainment"] == pytest.approx(40 / 57)
     assert window_latencies(window, WindowSpec(), {})["window_slo_attainment"] is None
+
+
+def test_a_mixed_loads_classes_are_measured_in_the_window_too():
+    # Text-only requests whose TPOT is 200 ms in the warm-up and 25 ms after it.
+    warmup = [rec(i / 8, 0.85, ttft=0.05) for i in range(16)]
+    steady = [rec(2 + i / 8, 0.15, ttft=0.05) for i in range(40)]
+    images = [RequestRecord(True, completion_tokens=5, ttft=0.3, e2el=0.5, num_images=4, sent_at=t, done_at=t + 0.5)
+              for t in (1.0, 3.0, 4.0)]
+    inside = in_window(warmup + steady + images, WindowSpec(warmup_s=2.0))
+    assert len(inside) == 42 and all(r.sent_at >= 2.0 for r in inside)
+    classes = by_class(inside)
+    assert classes["text_only"]["requests"] == 40 and classes["with_images"]["requests"] == 2
+    assert classes["text_only"]["p99_tpot_ms"] == pytest.approx(25.0)
+    assert by_class(warmup + steady + images)["text_only"]["p99_tpot_ms"] == pytest.approx(200.0)
 
 
 @pytest.mark.parametrize("kwargs, message", [(dict(warmup_s=-1.0), "--warmup-s"),

@@ -27,7 +27,7 @@ import numpy as np
 from pipeline.bench.dataset import BenchRequest, RandomMMConfig, arrival_offsets, arrivals_within, sample_requests
 from pipeline.bench.metrics import RequestRecord, by_class, detailed, summarize
 from pipeline.bench.stop import CANCELLED, StopRule, next_check_at, stop_reason
-from pipeline.bench.window import WindowSpec, window_summary
+from pipeline.bench.window import WindowSpec, in_window, window_summary
 
 
 class BenchError(Exception):
@@ -285,7 +285,8 @@ class BenchRunner:
                                            self.max_concurrency, progress, self.window, self.stop)
         result = summarize(records, duration, self.slos)
         if self.dataset.text_only_fraction:
-            result["by_class"] = by_class(records)   # not a vLLM key
+            result["by_class"] = by_class(records)   # not a vLLM key; every request, warm-up included
+            result["window_by_class"] = by_class(in_window(records, self.window))
         # Not vLLM keys: the measurement window's rates and SLO figures (window.py).
         result.update(window_summary(records, self.window, self.slos, burst=math.isinf(rate)))
         result["cancelled"] = sum(r.error.startswith(CANCELLED) for r in records)

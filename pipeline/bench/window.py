@@ -22,8 +22,9 @@ capacity in any window, so achieved < offered shows even while its queue
 is still short enough to meet a TTFT SLO. `sustained` is
 achieved / offered >= the fraction (--sustained-fraction).
 
-The window's SLO figures (`window_p99_ttft_ms`, ..., `window_slo_attainment`)
-cover the requests sent in [W, A], so warm-up requests do not count.
+The window's SLO figures (`window_p99_ttft_ms`, ..., `window_slo_attainment`,
+and a mixed load's `window_by_class`) cover the requests sent in [W, A], so
+warm-up requests do not count.
 """
 
 from __future__ import annotations
@@ -118,11 +119,16 @@ def _p99_ms(seconds: list[float]) -> float | None:
     return float(np.percentile(np.asarray(seconds) * 1000.0, 99)) if seconds else None
 
 
+def in_window(records: Sequence[RequestRecord], spec: WindowSpec) -> list[RequestRecord]:
+    """The requests sent in [W, A]: those the window's figures are about."""
+    end = max((r.sent_at for r in records), default=0.0)
+    return [r for r in records if spec.warmup_s <= r.sent_at <= end]
+
+
 def window_latencies(records: Sequence[RequestRecord], spec: WindowSpec, slos: dict[str, float]) -> dict:
     """P99 TTFT/TPOT/E2EL and SLO attainment over the requests sent in [W, A]
     (failures among them are attainment misses)."""
-    end = max((r.sent_at for r in records), default=0.0)
-    inside = [r for r in records if spec.warmup_s <= r.sent_at <= end]
+    inside = in_window(records, spec)
     done = [r for r in inside if r.success]
     values = {"ttft": [r.ttft for r in done], "tpot": [r.tpot for r in done if r.tpot is not None],
               "e2el": [r.e2el for r in done]}
