@@ -65,6 +65,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--video", metavar="H,W,T", help="send clips of T frames at HxW (epd-bench's video "
                    "bucket) instead of images: a workload's I counts clips")
     p.add_argument("--launch-arg", action="append", default=[], help="extra bin/epd-launch flag")
+    p.add_argument("--bench-arg", action="append", default=[], help="extra bin/epd-bench flag, every run")
     p.add_argument("--shape", default="qwen2.5-vl-3b", help="the --random-weights shape served")
     p.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (a smoke test)")
     return p.parse_args(argv)
@@ -91,7 +92,7 @@ def workload_flags(args: argparse.Namespace, images: int, text: int, text_only: 
     return ["--random-input-len", str(text), "--random-output-len", str(args.output_len),
             "--random-mm-base-items-per-request", str(images), "--text-only-fraction", f"{text_only:g}",
             "--random-mm-bucket-config", media_bucket(args), "--no-progress",
-            "--warmup-s", f"{args.warmup_s:g}", "--save-detailed"]
+            "--warmup-s", f"{args.warmup_s:g}", "--save-detailed", *args.bench_arg]
 
 
 def predicted_rate(args: argparse.Namespace, images: int, text: int) -> float:

@@ -49,7 +49,6 @@ from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import video_config_of
 from pipeline.processing.tokenizer import Tokenizer
 from pipeline.processing.video import VideoOptions
-from pipeline.stream_priority import STREAM_PRIORITIES, use_stream_priority
 
 log = logging.getLogger("epd.generator")
 
@@ -118,9 +117,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="CUDA: read each decode step's tokens before planning the next, instead of planning "
                         "and launching it while the last one's tokens are read (the default on the fast path)")
     add_vision_graph_flags(p, "aggregated mode and fallback encodes, ")
-    p.add_argument("--stream-priority", choices=STREAM_PRIORITIES, default="normal",
-                   help="CUDA, --mode epd: high runs the engine on a high-priority stream, so that under MPS a "
-                        "decode step's kernels are dispatched ahead of an encoder's beside it")
     p.add_argument("--eager-mixed", action="store_true",
                    help="CUDA: run mixed prefill/decode steps eagerly, not through the fused kernels and "
                         "CUDA graphs (the default wherever decode runs them)")
@@ -133,9 +129,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     check_vision_graph_flags(p, args)
     if args.mode == "aggregated" and args.encode_fallback != "off":
         p.error("--encode-fallback is for --mode epd (an aggregated generator encodes every image itself)")
-    if args.stream_priority != "normal" and (args.mode == "aggregated" or args.encode_fallback != "off"):
-        # Their decoded media come from worker threads' streams (pipeline/stream_priority.py).
-        p.error("--stream-priority high is for --mode epd without --encode-fallback local")
     return args
 
 
@@ -146,9 +139,6 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
         # Kernels, graphs and Triton launch on the current device's streams:
         # it must be ours, not cuda:0, for a stage placed on another GPU.
         torch.cuda.set_device(device)
-        got = use_stream_priority(device, args.stream_priority)
-        if got is not None:
-            log.info("engine stream priority %d (CUDA's highest on this GPU)", got)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     model_dir = stage_model_dir(args.model, args.random_weights)
     aggregated = args.mode == "aggregated"

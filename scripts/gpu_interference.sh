@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The interference line of issue 14 (text-only P99 TPOT under a mixed load,
+# EPD colocated against aggregated), on one H200, in one device call:
+#   run(command="RUNS='epd aggregated' bash scripts/gpu_interference.sh", carry=[".whl"])
+# MICRO=1 first runs scripts/gpu_mps_stream_priority.py under an MPS daemon
+# this script starts and stops, then without MPS: whether a CUDA stream's
+# priority reaches across MPS clients (a decode-like graph beside a matmul
+# load, on a normal- and a high-priority stream).
+# Then the half text-only load (4 images of 640x640 or none, 400 text tokens,
+# 150 out) at a fixed rate (MIXED_RATE, default 21.66 req/s: aggregated's
+# sustained maximum for it, session 9), 40 s of arrivals after 10 s of
+# warm-up, one run per name in RUNS, each stack started by bin/epd-launch
+# alone. A name is a layout (epd: colocated; aggregated) with optional
+# suffixes: -tN runs every generator at --max-num-batched-tokens N; -reuse
+# sends every image from epd-bench's pool of 4 (--image-reuse 1), so that
+# after the first few no image costs any vision work: the same LM work with
+# none of the vision, the floor of the text-only TPOT.
+# TINY=1 runs the serving part on the CPU with the tiny model (a smoke test).
+source "$(dirname "$0")/device_prelude.sh"
+R=/tmp/interference; rm -rf "$R"; mkdir -p "$R"
+rate=${MIXED_RATE:-21.66}
+timing=(--step-s 40 --warmup-s 10); tiny=()
+[ "${TINY:-0}" = 1 ] && { timing=(--step-s 8 --warmup-s 2); tiny=(--tiny --image-size 224 --output-len 16); rate=${MIXED_RATE:-2}; }
+if [ "${MICRO:-0}" = 1 ] && [ "${TINY:-0}" != 1 ]; then
+  echo "== stream priority across MPS clients (MPS daemon started here)"
+  export CUDA_MPS_PIPE_DIRECTORY=$R/mps-pipe CUDA_MPS_LOG_DIRECTORY=$R/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && timeout 120 python3 scripts/gpu_mps_stream_priority.py --json "$OUT/micro.json"
+  echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  echo "== stream priority, no MPS (time-sliced)"
+  timeout 120 python3 scripts/gpu_mps_stream_priority.py --seconds 3 --json "$OUT/micro-nomps.json"
+fi
+for name in ${RUNS:-epd aggregated}; do
+  echo "== $name"
+  layout=${name%%-*}
+  args=(--layout "$layout")
+  [[ $name =~ -t([0-9]+) ]] && args+=("--launch-arg=--max-num-batched-tokens=${BASH_REMATCH[1]}")
+  [[ $name == *-reuse* ]] && args+=("--bench-arg=--image-reuse=1")
+  timeout 200 python3 scripts/gpu_sustained.py "${args[@]}" --out "$R/$name" "${tiny[@]}" "${timing[@]}" \
+    --interference-rate "$rate"
+  grep -h "encoder profile" "$R/$name"/logs/*/encoder-0.log 2>/dev/null | tail -2 | sed 's/^.*INFO //'
+done
+# One file back per run (the device tool returns few files): its summary, with the
+# interference figures; the per-request records and logs are in the tarball.
+for name in ${RUNS:-epd aggregated}; do cp "$R/$name"/*-summary.json "$OUT/$name-summary.json" 2>/dev/null; done
+tar czf "$OUT/interference.tgz" -C /tmp --exclude='mps-*' interference
+ls "$OUT"
