@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Does a CUDA stream's priority reach across MPS clients? (issue 14, the
 interference line.) One device call, with an MPS daemon already started
-(scripts/gpu_stream_priority.sh starts one):
+(MICRO=1 bash scripts/gpu_interference.sh starts one):
 
     python3 scripts/gpu_mps_stream_priority.py [--seconds 6] [--json OUT]
 
 Two processes on GPU 0. The probe replays a decode-like CUDA graph (batch-16
-matmuls reading about 3 GiB of weights, so memory-bound like a decode step)
+matmuls reading about 6 GiB of weights, so memory-bound like a decode step)
 and times each replay with events; the load (an encoder stand-in) loops
 compute-bound 8192^3 bf16 matmuls on the default stream. The probe is timed
 alone, then beside the load on a normal-priority stream and on a
