@@ -6,13 +6,14 @@ import json
 from collections import Counter
 
 
-def profile_line(busy: Counter, seconds: float, forwards: int, decoded: int, to_decode: int) -> str:
+def profile_line(busy: Counter, seconds: float, decoded: int, to_decode: int) -> str:
     """Decode and forward seconds are summed wall times of each batch, so the
-    busy shares show which of the two saturates first; `decoded` items wait
-    for a forward, `to_decode` jobs for a decode."""
+    busy shares show which of the two saturates first; `forwards` counts the
+    window's forward batches (a clip run in parts is one); `decoded` items
+    wait for a forward, `to_decode` jobs for a decode."""
     return json.dumps({
         "seconds": round(seconds, 1), "decode_busy": round(busy["decode_s"] / seconds, 3),
-        "forward_busy": round(busy["forward_s"] / seconds, 3), "forwards": forwards,
+        "forward_busy": round(busy["forward_s"] / seconds, 3), "forwards": busy["forwards"],
         "decoded_images": busy["decode_images"], "forward_images": busy["forward_images"],
         "decode_ms_per_image": round(busy["decode_s"] * 1000 / max(1, busy["decode_images"]), 2),
         "forward_ms_per_image": round(busy["forward_s"] * 1000 / max(1, busy["forward_images"]), 2),

@@ -285,7 +285,7 @@ class EncoderService:
                     started = time.perf_counter()
                     await loop.run_in_executor(self.compute_pool, self._forward_and_store, reserved)
                     self.busy["forward_s"] += time.perf_counter() - started
-                    self.busy["forward_images"] += len(reserved)
+                    self.busy.update(forward_images=len(reserved), forwards=1)   # this window's
                 except Exception as exc:  # a failed forward must not stop the encoder
                     log.exception("vision forward failed")
                     for item, _ in reserved:
@@ -357,8 +357,8 @@ class EncoderService:
             busy, self.busy = self.busy, Counter()
             self.busy_totals.update(busy)
             if busy:
-                log.info("encoder profile %s", profile_line(busy, time.monotonic() - started, self.forwards,
-                                                            len(self.decoded), len(self.to_decode)))
+                log.info("encoder profile %s", profile_line(busy, time.monotonic() - started, len(self.decoded),
+                                                            len(self.to_decode)))
 
     async def _expiry_loop(self) -> None:
         while True:
