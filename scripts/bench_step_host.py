@@ -92,7 +92,8 @@ def measure_decode_inputs(repeats: int = 300) -> float:
     import torch
 
     from pipeline.engine.decode_graphs import DecodeGraphs
-    from pipeline.engine.request import Request, SamplingParams
+    from pipeline.engine.request import Request
+    from pipeline.sampling_params import SamplingParams
 
     class Cache:
         block_size = 16

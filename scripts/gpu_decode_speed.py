@@ -14,7 +14,7 @@ import torch
 
 from gpu_mixed_check import mixed_step_timings
 from pipeline.engine.engine import Engine, EngineConfig
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from pipeline.models.shapes import random_model
 from pipeline.models.tiny import default_model_dir
 from pipeline.processing.processor import MultimodalPrompt

@@ -51,7 +51,7 @@ from pipeline.models.shapes import random_model  # noqa: E402
 from pipeline.models.tiny import default_model_dir  # noqa: E402
 from pipeline.processing.image import preprocess_images  # noqa: E402
 from pipeline.processing.processor import Processor  # noqa: E402
-from pipeline.engine.request import SamplingParams  # noqa: E402
+from pipeline.sampling_params import SamplingParams  # noqa: E402
 from gpu_decode_speed import decode_speed, matmul_comparison  # noqa: E402
 from gpu_mixed_check import fused_mixed_equality, unified_equality  # noqa: E402
 

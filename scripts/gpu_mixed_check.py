@@ -13,7 +13,7 @@ import torch
 from pipeline.engine.engine import Engine
 from pipeline.engine.mixed_graphs import MixedGraphs
 from pipeline.engine.paged_attention import PagedKVCache, ReferencePagedAttention, SequenceSlice, StepLayout
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from pipeline.processing.processor import MultimodalPrompt
 
 # (query_len, context_len): decodes, chunks from zero and after a context.

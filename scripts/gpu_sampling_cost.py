@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.engine import choose as choose_module  # noqa: E402
 from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
-from pipeline.engine.request import SamplingParams  # noqa: E402
+from pipeline.sampling_params import SamplingParams  # noqa: E402
 from pipeline.models.shapes import random_model  # noqa: E402
 from pipeline.models.tiny import default_model_dir  # noqa: E402
 from pipeline.processing.processor import MultimodalPrompt  # noqa: E402

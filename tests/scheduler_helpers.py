@@ -3,7 +3,8 @@ engine step with a sampler that returns a fixed token."""
 
 from __future__ import annotations
 
-from pipeline.engine.request import Request, SamplingParams
+from pipeline.engine.request import Request
+from pipeline.sampling_params import SamplingParams
 from pipeline.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 
 

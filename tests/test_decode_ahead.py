@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.engine.engine import Engine, EngineConfig
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from test_engine import make_request, offline, run_engine, tiny  # noqa: F401  (the fixture)
 
 PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4, logit_bias=((11, 3.0),))

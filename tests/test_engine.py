@@ -10,7 +10,7 @@ import torch
 
 from conftest import random_image
 from pipeline.engine.engine import Engine, EngineConfig
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from pipeline.generate import GenerationLimits, greedy_generate
 from pipeline.models.loader import load_model
 from pipeline.processing.image import preprocess_images

@@ -17,7 +17,7 @@ from pipeline import protocol
 from pipeline.arena.store import ArenaStore
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.output import RequestOutput
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from pipeline.engine.step_profile import StepProfile
 from pipeline.generator.internal import AskerRestarted
 from pipeline.generator.refetch import FETCH_JOB

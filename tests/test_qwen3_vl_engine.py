@@ -12,7 +12,7 @@ import torch
 import qwen3_vl_helpers as helpers
 from conftest import random_image
 from pipeline.engine.engine import Engine, EngineConfig
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from pipeline.generate import GenerationLimits, greedy_generate
 from pipeline.models.loader import load_model
 from pipeline.models.tiny import default_model_dir

@@ -12,7 +12,7 @@ import torch
 
 from pipeline.engine.draw import TOPK_CAP, draw, inverse_cdf
 from pipeline.engine.penalties import PenaltyPool
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from pipeline.engine.sampler import SamplingRow, make_generator, sample
 
 VOCAB = 16

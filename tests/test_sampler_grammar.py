@@ -16,7 +16,7 @@ import torch
 
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.grammar import Grammars, unpack_bitmask
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from pipeline.models.loader import load_model
 from pipeline.processing.processor import Processor
 

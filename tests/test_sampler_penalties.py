@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.engine.penalties import PenaltyPool, apply_bias_and_penalties
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 
 VOCAB = 300
 

@@ -11,7 +11,7 @@ import torch
 from conftest import random_image
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.penalties import PenaltyPool, apply_bias_and_penalties, apply_min_p
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from pipeline.models.loader import load_model
 from pipeline.processing.image import preprocess_images
 from pipeline.processing.processor import Processor

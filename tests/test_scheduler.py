@@ -11,7 +11,8 @@ import pytest
 
 from pipeline.engine.encoder_cache import EncoderCache
 from pipeline.engine.kv_blocks import BlockPool, blocks_needed, num_blocks_for_memory
-from pipeline.engine.request import ImageSpan, Request, RequestStatus, SamplingParams
+from pipeline.engine.request import ImageSpan, Request, RequestStatus
+from pipeline.sampling_params import SamplingParams
 from pipeline.engine.scheduler import Chunk
 from scheduler_helpers import chunk_map, make_request, make_scheduler, running_ids, step, waiting_ids
 

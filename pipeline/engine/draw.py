@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.engine.penalties import apply_min_p
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from pipeline.engine.small_copies import device_tensor
 
 # Every row's top_k at most this: its floors come from a top-k of the

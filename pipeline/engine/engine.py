@@ -21,7 +21,8 @@ from pipeline.engine.mixed_graphs import MixedGraphs
 from pipeline.engine.output import RequestOutput, TextState
 from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.engine.plan import FinishedRequest, SchedulerConfig
-from pipeline.engine.request import ImageSpan, Request, RequestStatus, SamplingParams
+from pipeline.engine.request import ImageSpan, Request, RequestStatus
+from pipeline.sampling_params import SamplingParams
 from pipeline.models.spec import span_rows
 from pipeline.engine.runner import ModelRunner, PromptGeometry
 from pipeline.engine.ahead import DecodeAhead

@@ -24,7 +24,6 @@ from pipeline.engine.small_copies import device_tensor, steady_tensor
 
 # (the chosen token's logprob, the top k ids, their logprobs), per token.
 TokenLogprobs = tuple[float, tuple[int, ...], tuple[float, ...]]
-MAX_TOP_LOGPROBS = 20
 
 
 @torch.inference_mode()

@@ -9,87 +9,10 @@ status) lives on Request; sampling settings are frozen.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 from pipeline.engine.block_table import BlockTable
-from pipeline.engine.logprobs import MAX_TOP_LOGPROBS
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    # bool is an int subclass; a True max_tokens is a caller bug, not 1.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _check_number(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value > high or value < low or (low_open and value == low):
-        bound = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
-        raise ValueError(f"{name} must be a number in {bound}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    min_tokens: int = 0
-    temperature: float = 0.0          # 0 means greedy
-    top_k: int = 0                    # 0 means no top-k cut
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()        # stop strings, matched by the detokenizer
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0   # 1 means off (engine/penalties.py says what each does)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    min_p: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
-    logprobs: int | None = None       # None: none; k: the chosen token's and the top k (engine/logprobs.py)
-    grammar: str = ""                 # llguidance's grammar the output must follow (engine/grammar.py)
-
-    def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, 1)
-        _check_int("min_tokens", self.min_tokens, 0)
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        _check_int("top_k", self.top_k, 0)
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None:
-            _check_int("seed", self.seed, 0)
-        # Lists are accepted for convenience; stored as tuples so the object stays hashable.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        for token in self.stop_token_ids:
-            _check_int("stop_token_ids[...]", token, 0)
-        for text in self.stop:
-            if not isinstance(text, str) or not text:
-                raise ValueError(f"stop strings must be non-empty str, got {text!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        self._check_processors()
-
-    def _check_processors(self) -> None:
-        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 2.0 ** 31, low_open=True)
-        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_number("min_p", self.min_p, 0.0, 1.0)
-        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in self.logit_bias))
-        for token, bias in self.logit_bias:
-            _check_int("logit_bias token id", token, 0)
-            _check_number(f"logit_bias[{token}]", bias, -100.0, 100.0)
-        if not isinstance(self.grammar, str):
-            raise ValueError(f"grammar must be a str, got {type(self.grammar).__name__}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0)
-            if self.logprobs > MAX_TOP_LOGPROBS:
-                raise ValueError(f"at most {MAX_TOP_LOGPROBS} top logprobs, got {self.logprobs}")
+from pipeline.sampling_params import SamplingParams, check_int
 
 
 @dataclass(frozen=True)
@@ -105,9 +28,9 @@ class ImageSpan:
     item_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("ImageSpan.start", self.start, 0)
-        _check_int("ImageSpan.length", self.length, 1)
-        _check_int("ImageSpan.offset", self.offset, 0)
+        check_int("ImageSpan.start", self.start, 0)
+        check_int("ImageSpan.length", self.length, 1)
+        check_int("ImageSpan.offset", self.offset, 0)
         if not isinstance(self.key, str) or not self.key:
             raise ValueError(f"ImageSpan.key must be a non-empty str, got {self.key!r}")
         if self.item_tokens is None:

@@ -22,7 +22,7 @@ import torch
 from pipeline.engine.draw import draw
 from pipeline.engine.grammar import GrammarMasks
 from pipeline.engine.penalties import PenaltyPool, apply_bias_and_penalties
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from pipeline.engine.small_copies import device_tensor
 
 

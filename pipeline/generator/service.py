@@ -26,7 +26,7 @@ from pipeline.arena import ring
 from pipeline.arena.reader import ArenaReader
 from pipeline.engine.engine import Engine
 from pipeline.engine.output import RequestOutput
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from pipeline.models.spec import span_rows
 from pipeline.generator.arena_waits import ArenaWaits
 from pipeline.generator.dispatch import dispatch, handler_table

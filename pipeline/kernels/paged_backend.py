@@ -9,9 +9,10 @@ rotary + K/V cache write, then paged attention reading K/V in place.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.kernels.decode_attention import paged_decode_attention, plan_splits
 from pipeline.kernels.ops import TritonLayerOps
 from pipeline.kernels.rotary_kv import rotary_kv_write
@@ -20,12 +21,23 @@ from pipeline.models.attention import AttentionBackend
 from pipeline.models.layers import LayerOps
 
 
+class PagedKVSlots(Protocol):
+    """What the kernels read of a paged KV cache (the engine's PagedKVCache):
+    keys of shape [layers, blocks, block_size, kv_heads, head_dim], and one
+    layer's keys and values as [slots, kv_heads, head_dim] views."""
+
+    keys: torch.Tensor
+    block_size: int
+
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class TritonDecodeAttention(AttentionBackend):
     """Row i attends to keys 0..lengths[i]-1 of its block table; its new K/V
     goes to slot_mapping[i]. Padding rows point at the null block.
     `use_gemv`: see TritonLayerOps."""
 
-    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+    def __init__(self, cache: PagedKVSlots, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  lengths: torch.Tensor, max_len: int, num_sms: int, use_gemv: bool = False) -> None:
         self.cache = cache
         self.slot_mapping = slot_mapping
@@ -62,7 +74,7 @@ class TritonMixedAttention(AttentionBackend):
     tensor of fixed size per token bucket (see MixedGraphs), so the launches
     are capturable."""
 
-    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+    def __init__(self, cache: PagedKVSlots, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  table_stride: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
                  programs: torch.Tensor) -> None:
         self.cache = cache

@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 
 from pipeline.engine.engine import Engine, EngineConfig
-from pipeline.engine.request import SamplingParams
+from pipeline.sampling_params import SamplingParams
 from pipeline.models.stage_model import load_stage_model, stage_model_dir
 from pipeline.models.vision_flags import fuse_vision_tower
 from pipeline.models.vision_graphs import vision_forward

@@ -31,6 +31,7 @@ from pipeline.proxy.media_fetch import FetchPolicy, fetch_image
 from pipeline.proxy.structured import grammar_of
 from pipeline.proxy.tools import ToolRequest, forced_grammar, tag_tokens_of, template_tool_calls, tool_request
 from pipeline.proxy.video_items import VideoLimits, checked_plan, video_key, video_options
+from pipeline.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,4 @@ def _given(value, defaults: dict, name: str, off):
 
 def _check_sampling(s: protocol.Sampling) -> None:
     """The generator checks again; here so a bad value is a 400 at once."""
-    from pipeline.engine.request import SamplingParams
-
     SamplingParams(**msgspec.structs.asdict(s))
