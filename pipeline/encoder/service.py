@@ -357,8 +357,8 @@ class EncoderService:
             busy, self.busy = self.busy, Counter()
             self.busy_totals.update(busy)
             if busy:
-                log.info("encoder profile %s", profile_line(busy, time.monotonic() - started, len(self.decoded),
-                                                            len(self.to_decode)))
+                line = profile_line(busy, time.monotonic() - started, len(self.decoded), len(self.to_decode))
+                log.info("encoder profile %s", line)
 
     async def _expiry_loop(self) -> None:
         while True:
@@ -377,8 +377,7 @@ class EncoderService:
             return
         lease = self.store.index.lease(entry.content_hash, job.consumer, job.request_id)
         ready = protocol.EmbeddingReady(job.job_id, job.request_id, entry.content_hash,
-                                        self.store.handle(entry), lease.lease_id,
-                                        self.settings.encoder_id, dedup)
+                                        self.store.handle(entry), lease.lease_id, self.settings.encoder_id, dedup)
         if self.lanes.deliver(job.consumer, ready):
             lane = "ring"
         elif self.send(job.consumer, ready):
