@@ -18,7 +18,7 @@
 # TINY=1 runs the serving part on the CPU with the tiny model (a smoke test).
 source "$(dirname "$0")/device_prelude.sh"
 R=/tmp/interference; rm -rf "$R"; mkdir -p "$R"
-rate=${MIXED_RATE:-21.66}
+rate=${MIXED_RATE:-21.66} runs=${RUNS:-epd aggregated}
 timing=(--step-s 40 --warmup-s 10); tiny=()
 [ "${TINY:-0}" = 1 ] && { timing=(--step-s 8 --warmup-s 2); tiny=(--tiny --image-size 224 --output-len 16); rate=${MIXED_RATE:-2}; }
 if [ "${MICRO:-0}" = 1 ] && [ "${TINY:-0}" != 1 ]; then
@@ -31,7 +31,7 @@ if [ "${MICRO:-0}" = 1 ] && [ "${TINY:-0}" != 1 ]; then
   echo "== stream priority, no MPS (time-sliced)"
   timeout 120 python3 scripts/gpu_mps_stream_priority.py --seconds 3 --json "$OUT/micro-nomps.json"
 fi
-for name in ${RUNS:-epd aggregated}; do
+for name in $runs; do
   echo "== $name"
   layout=${name%%-*}
   args=(--layout "$layout")
@@ -43,6 +43,6 @@ for name in ${RUNS:-epd aggregated}; do
 done
 # One file back per run (the device tool returns few files): its summary, with the
 # interference figures; the per-request records and logs are in the tarball.
-for name in ${RUNS:-epd aggregated}; do cp "$R/$name"/*-summary.json "$OUT/$name-summary.json" 2>/dev/null; done
+for name in $runs; do cp "$R/$name"/*-summary.json "$OUT/$name-summary.json" 2>/dev/null; done
 tar czf "$OUT/interference.tgz" -C /tmp --exclude='mps-*' interference
 ls "$OUT"
