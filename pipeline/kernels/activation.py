@@ -12,9 +12,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pipeline.kernels.dependent_launch import launch_options, wait_then_release
+
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    wait_then_release(USE_GDC)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -31,7 +34,7 @@ def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     rows, hidden = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, hidden)
     _silu_mul_kernel[(rows, triton.cdiv(hidden, block))](gate_up, out, gate_up.stride(0), out.stride(0),
-                                                        hidden, BLOCK=block, num_warps=4)
+                                                        hidden, BLOCK=block, num_warps=4, **launch_options())
     return out
 
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from pipeline.kernels import next_power_of_2
+from pipeline.kernels.dependent_launch import launch_options, wait_then_release
 
 
 @triton.jit
@@ -52,7 +53,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, acc_ptr
                   q_stride, cache_stride, table_stride,
                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                   SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
+    wait_then_release(USE_GDC)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     group = HEADS // KV_HEADS
     g = tl.arange(0, BLOCK_G)
@@ -88,7 +90,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, acc_ptr
 
 @triton.jit
 def _merge_kernel(acc_ptr, stats_ptr, out_ptr, out_stride, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr):
+    wait_then_release(USE_GDC)
     seq, head = tl.program_id(0), tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -134,16 +137,17 @@ def paged_decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torc
         stats = torch.empty(batch * heads * num_splits, 2, dtype=torch.float32, device=q.device)
     block_d = next_power_of_2(dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    pdl = launch_options()
     _split_kernel[(batch, kv_heads, num_splits)](
         q, k_slots, v_slots, block_tables, lengths, out, acc, stats, dim ** -0.5,
         q.stride(0), k_slots.stride(0), block_tables.stride(0),
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE=page, SPLIT_LEN=split_len, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, next_power_of_2(heads // kv_heads)), BLOCK_D=max(16, block_d), BLOCK_N=block_n,
-        PRECISION=precision, num_warps=4)
+        PRECISION=precision, num_warps=4, **pdl)
     if num_splits > 1:
         _merge_kernel[(batch, heads)](acc, stats, out, out.stride(0), HEADS=heads, HEAD_DIM=dim,
                                       NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
-                                      BLOCK_D=block_d, num_warps=4)
+                                      BLOCK_D=block_d, num_warps=4, **pdl)
     return out
 
 

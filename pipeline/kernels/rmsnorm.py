@@ -16,12 +16,14 @@ import triton
 import triton.language as tl
 
 from pipeline.kernels import next_power_of_2
+from pipeline.kernels.dependent_launch import launch_options, wait_then_release
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, residual_ptr, out_ptr,
                          x_stride, delta_stride, residual_stride, out_stride, n_cols, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    wait_then_release(USE_GDC)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -50,7 +52,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     _add_rms_norm_kernel[(rows,)](
         x, delta if delta is not None else x, weight, residual, out,
         x.stride(0), delta.stride(0) if delta is not None else 0, residual.stride(0), out.stride(0), dim, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)), **launch_options())
     return residual, out
 
 

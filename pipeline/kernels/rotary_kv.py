@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from pipeline.kernels import next_power_of_2
+from pipeline.kernels.dependent_launch import launch_options, wait_then_release
 from pipeline.models.layers import apply_rotary
 
 
@@ -24,7 +25,8 @@ def _rotary_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_cache_ptr, 
                       qkv_stride, cs_stride, q_stride, cache_stride,
                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_KV: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+                      BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr):
+    wait_then_release(USE_GDC)
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     # q and k heads, each as two halves: rotate_half(x) = cat(-x2, x1).
@@ -88,7 +90,7 @@ def rotary_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hea
         qkv.stride(0), cos.stride(0), q.stride(0), k_slots.stride(0),
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=dim, HALF=dim // 2, BLOCK_H=next_power_of_2(heads + kv_heads),
         BLOCK_HALF=next_power_of_2(dim // 2), BLOCK_KV=next_power_of_2(kv_heads), BLOCK_D=next_power_of_2(dim),
-        num_warps=4)
+        num_warps=4, **launch_options())
     return q
 
 

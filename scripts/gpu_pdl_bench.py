@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Programmatic dependent launch on the decode step (issue 14 part 6; GPU
+box only, not in CI).
+
+A Qwen2.5-VL-3B-shaped language model with random bf16 weights, the fast
+decode path with gemv projections (main's default on CUDA), run with the
+fused kernels launched three ways, side by side in one process and
+interleaved over rounds (machines drift):
+  off       plain launches (main before PDL);
+  pdl       every fused kernel launched with PDL, waiting at its top;
+  prefetch  pdl, and each gemv program prefetches its first weight lines
+            into L2 before its wait.
+For each way and batch: the median engine step, the device time of the
+captured graph's replay (CUDA events over back-to-back replays), and every
+token the steps produced, which must equal the `off` run's (same
+arithmetic; a missed wait would show as a race).
+
+    timeout 500 python3 scripts/gpu_pdl_bench.py --json $OUT/pdl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
+from pipeline.kernels import dependent_launch  # noqa: E402
+from pipeline.models.shapes import random_model  # noqa: E402
+from pipeline.models.tiny import default_model_dir  # noqa: E402
+from pipeline.processing.processor import MultimodalPrompt  # noqa: E402
+from pipeline.processing.tokenizer import Tokenizer  # noqa: E402
+from pipeline.sampling_params import SamplingParams  # noqa: E402
+from gpu_decode_speed import _median_ms, copy_bandwidth  # noqa: E402
+
+WAYS = {"off": (False, False), "pdl": (True, False), "prefetch": (True, True)}
+
+
+def replay_device_ms(graph, replays: int = 100) -> float:
+    """Device milliseconds per replay over back-to-back replays (no host
+    gap between them: the graph's own kernels and gaps only)."""
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def run_way(model, tokenizer, device, batch: int, context: int, steps: int) -> dict:
+    engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
+                                                   max_num_seqs=batch + 1, kv_cache_bytes=8 << 30,
+                                                   fast_decode=True, fast_mixed=False, decode_matmul="triton",
+                                                   capture_decode_len=2 * context), device)
+    for i in range(batch):
+        ids = [int(x) for x in np.random.default_rng(i).integers(0, 150000, context)]
+        engine.add_request(f"b{i}", MultimodalPrompt(ids, [], []), [],
+                           SamplingParams(max_tokens=steps + 10, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+
+    def step():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for _ in range(3):  # prefill, then decodes until the graphs are captured
+        step()
+    step_ms = _median_ms(step, steps)
+    decode = engine.runner.decode
+    graph, _ = decode.graphs[decode.last_bucket]
+    result = {"step_ms": step_ms, "replay_ms": replay_device_ms(graph),
+              "tokens": [tokens[f"b{i}"] for i in range(batch)]}
+    return result  # the engine (and its KV cache) goes with this frame
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", type=Path)
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=30)
+    args = p.parse_args()
+    device = torch.device("cuda:0")
+    import triton
+    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+              "pdl_supported": dependent_launch.supported(device)}
+    print(json.dumps(report), flush=True)
+    if not report["pdl_supported"]:
+        print("PDL not supported here", flush=True)
+        return 1
+    model = random_model("qwen2.5-vl-3b", torch.bfloat16, device).model
+    lm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("visual."))
+    report["floor_ms"] = lm_bytes / copy_bandwidth(device) * 1000
+    tokenizer = Tokenizer.from_checkpoint(default_model_dir())
+    runs: dict = {}
+    for r in range(args.rounds):
+        for batch in [int(b) for b in args.batches.split(",")]:
+            for way, (on, prefetch) in WAYS.items():
+                dependent_launch.enable(on, prefetch)
+                got = run_way(model, tokenizer, device, batch, args.context, args.steps)
+                torch.cuda.empty_cache()
+                runs.setdefault(f"batch{batch}", {}).setdefault(way, []).append(got)
+                print(f"round {r} batch {batch} {way}: step {got['step_ms']:.3f} ms, replay {got['replay_ms']:.3f} ms",
+                      flush=True)
+    dependent_launch.enable(False)
+    summary, failed = {}, []
+    for key, ways in runs.items():
+        want = ways["off"][0]["tokens"]
+        row = {}
+        for way, results in ways.items():
+            same = all(res["tokens"] == want for res in results)
+            if not same:
+                failed.append(f"{key}.{way}: tokens differ from off")
+            row[way] = {"step_ms": float(np.median([res["step_ms"] for res in results])),
+                        "replay_ms": float(np.median([res["replay_ms"] for res in results])),
+                        "tokens_equal_off": same}
+        for way in ("pdl", "prefetch"):
+            for what in ("step_ms", "replay_ms"):
+                row[way][f"{what}_over_off"] = row[way][what] / row["off"][what]
+            row[way]["step_vs_floor"] = row[way]["step_ms"] / report["floor_ms"]
+        row["off"]["step_vs_floor"] = row["off"]["step_ms"] / report["floor_ms"]
+        summary[key] = row
+    report.update({"summary": summary, "failed": failed,
+                   "runs": {k: {w: [{"step_ms": x["step_ms"], "replay_ms": x["replay_ms"]} for x in v]
+                                for w, v in ways.items()} for k, ways in runs.items()}})
+    print(json.dumps(report["summary"], indent=1), flush=True)
+    print("failed:", failed, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
