@@ -4,12 +4,14 @@ box only, not in CI).
 
 A Qwen2.5-VL-3B-shaped language model with random bf16 weights, the fast
 decode path with gemv projections (main's default on CUDA), run with the
-fused kernels launched three ways, side by side in one process and
+fused kernels launched two ways, side by side in one process and
 interleaved over rounds (machines drift):
   off       plain launches (main before PDL);
-  pdl       every fused kernel launched with PDL, waiting at its top;
-  prefetch  pdl, and each gemv program prefetches its first weight lines
-            into L2 before its wait.
+  pdl       the fused kernels of decode buckets up to --pdl-max-batch rows
+            launched with PDL, each waiting at its top.
+(A third way, each gemv program prefetching its first weight lines into L2
+before its wait, measured no better than pdl and was dropped: commit
+24244a8 has it.)
 For each way and batch: the median engine step, the device time of the
 captured graph's replay (CUDA events over back-to-back replays), and every
 token the steps produced, which must equal the `off` run's (same
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from pipeline.engine import decode_graphs  # noqa: E402
 from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
 from pipeline.kernels import dependent_launch  # noqa: E402
 from pipeline.models.shapes import random_model  # noqa: E402
@@ -39,7 +42,7 @@ from pipeline.processing.tokenizer import Tokenizer  # noqa: E402
 from pipeline.sampling_params import SamplingParams  # noqa: E402
 from gpu_decode_speed import _median_ms, copy_bandwidth  # noqa: E402
 
-WAYS = {"off": (False, False), "pdl": (True, False), "prefetch": (True, True)}
+WAYS = {"off": False, "pdl": True}
 
 
 def replay_device_ms(graph, replays: int = 100) -> float:
@@ -57,11 +60,12 @@ def replay_device_ms(graph, replays: int = 100) -> float:
     return start.elapsed_time(end) / replays
 
 
-def run_way(model, tokenizer, device, batch: int, context: int, steps: int) -> dict:
+def run_way(model, tokenizer, device, pdl: bool, batch: int, context: int, steps: int) -> dict:
     engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
                                                    max_num_seqs=batch + 1, kv_cache_bytes=8 << 30,
                                                    fast_decode=True, fast_mixed=False, decode_matmul="triton",
-                                                   capture_decode_len=2 * context), device)
+                                                   capture_decode_len=2 * context, dependent_launch=pdl),
+                    device)
     for i in range(batch):
         ids = [int(x) for x in np.random.default_rng(i).integers(0, 150000, context)]
         engine.add_request(f"b{i}", MultimodalPrompt(ids, [], []), [],
@@ -88,11 +92,17 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--pdl-max-batch", type=int, default=None,
+                   help="decode buckets up to this many rows use PDL in the pdl way "
+                        "(default: the engine's, decode_graphs.DEPENDENT_LAUNCH_MAX_BATCH)")
     args = p.parse_args()
+    if args.pdl_max_batch is not None:
+        decode_graphs.DEPENDENT_LAUNCH_MAX_BATCH = args.pdl_max_batch
     device = torch.device("cuda:0")
     import triton
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-              "pdl_supported": dependent_launch.supported(device)}
+              "pdl_supported": dependent_launch.supported(device),
+              "pdl_max_batch": decode_graphs.DEPENDENT_LAUNCH_MAX_BATCH}
     print(json.dumps(report), flush=True)
     if not report["pdl_supported"]:
         print("PDL not supported here", flush=True)
@@ -104,14 +114,12 @@ def main() -> int:
     runs: dict = {}
     for r in range(args.rounds):
         for batch in [int(b) for b in args.batches.split(",")]:
-            for way, (on, prefetch) in WAYS.items():
-                dependent_launch.enable(on, prefetch)
-                got = run_way(model, tokenizer, device, batch, args.context, args.steps)
+            for way, on in WAYS.items():
+                got = run_way(model, tokenizer, device, on, batch, args.context, args.steps)
                 torch.cuda.empty_cache()
                 runs.setdefault(f"batch{batch}", {}).setdefault(way, []).append(got)
                 print(f"round {r} batch {batch} {way}: step {got['step_ms']:.3f} ms, replay {got['replay_ms']:.3f} ms",
                       flush=True)
-    dependent_launch.enable(False)
     summary, failed = {}, []
     for key, ways in runs.items():
         want = ways["off"][0]["tokens"]
@@ -123,11 +131,10 @@ def main() -> int:
             row[way] = {"step_ms": float(np.median([res["step_ms"] for res in results])),
                         "replay_ms": float(np.median([res["replay_ms"] for res in results])),
                         "tokens_equal_off": same}
-        for way in ("pdl", "prefetch"):
-            for what in ("step_ms", "replay_ms"):
-                row[way][f"{what}_over_off"] = row[way][what] / row["off"][what]
+        for what in ("step_ms", "replay_ms"):
+            row["pdl"][f"{what}_over_off"] = row["pdl"][what] / row["off"][what]
+        for way in WAYS:
             row[way]["step_vs_floor"] = row[way]["step_ms"] / report["floor_ms"]
-        row["off"]["step_vs_floor"] = row["off"]["step_ms"] / report["floor_ms"]
         summary[key] = row
     report.update({"summary": summary, "failed": failed,
                    "runs": {k: {w: [{"step_ms": x["step_ms"], "replay_ms": x["replay_ms"]} for x in v]

@@ -116,6 +116,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-decode-ahead", action="store_true",
                    help="CUDA: read each decode step's tokens before planning the next, instead of planning "
                         "and launching it while the last one's tokens are read (the default on the fast path)")
+    p.add_argument("--no-dependent-launch", action="store_true",
+                   help="CUDA: launch the fused kernels plainly, not with programmatic dependent launch "
+                        "(the default on GPUs that have it, sm_90 and later)")
     add_vision_graph_flags(p, "aggregated mode and fallback encodes, ")
     p.add_argument("--eager-mixed", action="store_true",
                    help="CUDA: run mixed prefill/decode steps eagerly, not through the fused kernels and "
@@ -150,7 +153,8 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
     config = EngineConfig(args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
                           kv_bytes, args.encoder_cache_tokens, aggregated,
                           args.local_encode_tokens, fast_mixed=False if args.eager_mixed else None,
-                          decode_matmul=args.decode_matmul, decode_ahead=False if args.no_decode_ahead else None)
+                          decode_matmul=args.decode_matmul, decode_ahead=False if args.no_decode_ahead else None,
+                          dependent_launch=False if args.no_dependent_launch else None)
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
     blocks = engine.scheduler.config.num_blocks
     log.info("KV cache: %.2f GiB (%d MiB), %d blocks of %d tokens, %d tokens (%s)", kv_bytes / GIB,

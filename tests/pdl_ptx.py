@@ -33,7 +33,7 @@ SPECS = {
                                            NUM_SPLITS=4, BLOCK_G=16, BLOCK_D=128, BLOCK_N=32, PRECISION="tf32"),
     "decode_attention._merge_kernel": dict(HEADS=16, HEAD_DIM=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128),
     "gemv._gemv_kernel": dict(HAS_BIAS=True, MODE=0, SPLIT_K=1, EVEN_K=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512,
-                              PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4, PREFETCH_LINES=16, LINE=64),
+                              PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4),
     "gemv._split_sum_kernel": dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),
 }
 FLOAT_ARGS = {"eps", "scale"}
@@ -88,8 +88,7 @@ def main() -> int:
                                                                           r"atom\.|red\.global)", line)), None)
         report[name] = {"wait": where(ptx, "griddepcontrol.wait"),
                         "release": where(ptx, "griddepcontrol.launch_dependents"),
-                        "first_memory": first_memory, "prefetch": where(ptx, "prefetch.global.L2"),
-                        "launch_pdl": bool(kernel.metadata.launch_pdl)}
+                        "first_memory": first_memory, "launch_pdl": bool(kernel.metadata.launch_pdl)}
     json.dump(report, sys.stdout)
     return 0
 

@@ -8,22 +8,32 @@ On Hopper and later a kernel launched with PDL may start while its
 predecessor is still running; it must execute `griddepcontrol.wait`
 (tl.extra.cuda.gdc_wait) before it touches memory the predecessor writes,
 and that wait returns once the predecessor has completed and its writes are
-visible. What runs before the wait (scheduling, address arithmetic, and in
-the gemv an L2 prefetch of its weights, which no kernel writes) overlaps the
-predecessor's tail.
+visible. What runs before the wait (the launch, scheduling the programs,
+address arithmetic) overlaps the predecessor's tail. On an H200 it took the
+3B model's captured batch-1 decode step from 2.39 to 2.17 ms, with the same
+tokens (docs/benchmarks.md, session 18). Prefetching each gemv's first
+weight lines into L2 before its wait was measured too: no further gain.
 
 Ordering stays transitive only if every kernel launched with PDL waits
 before it completes: then kernel n+1 cannot finish before kernel n has, so
 a kernel two launches later still sees everything written before it. So
 each PDL kernel here waits unconditionally, at its top (`wait_then_release`).
 
-Process-wide and off by default: `enable` is called by the engine from its
-config (the choice changes the compiled kernels, so it is made before any
-graph is captured), and only where `supported` says the GPU, the Triton
-build and the mode (not the CPU interpreter) allow it.
+Where: the decode graphs of small batches (`launching`, around their
+capture), where a step is hundreds of kernels of a few microseconds. At
+batch 32 (cuBLAS projections, longer kernels) the same launches measured
+0.6% slower, so larger decode batches, mixed steps and the vision tower
+launch plainly.
+
+Process-wide permission, off until `configure` (the engine, from its
+config) allows it, and only where `supported` says the GPU, the Triton
+build and the mode (not the CPU interpreter) can: the choice changes the
+compiled kernels, so it is made before any graph is captured.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -31,7 +41,7 @@ import triton.language as tl
 
 from pipeline.kernels import interpreting
 
-_state = {"on": False, "prefetch": False}
+_state = {"allowed": False, "on": False}
 
 
 def supported(device: torch.device) -> bool:
@@ -49,19 +59,36 @@ def supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def enable(on: bool, prefetch: bool = True) -> None:
-    """Turn PDL on or off for every kernel launched after this call;
-    `prefetch`: the gemv also pulls its weight rows into L2 before its wait."""
-    _state["on"] = bool(on)
-    _state["prefetch"] = bool(on and prefetch)
+def allow(on: bool) -> None:
+    """Permit (or forbid) PDL launches inside `launching` blocks, with no
+    check of the device: configure's effect, for tests and benchmarks."""
+    _state["allowed"] = bool(on)
+
+
+def configure(wanted: bool | None, device: torch.device) -> bool:
+    """The engine's choice: None is allowed wherever supported; True where
+    it is not is an error. Returns whether it is allowed."""
+    if wanted and not supported(device):
+        raise ValueError(f"dependent launch needs a GPU of compute capability 9.0 or later and a Triton "
+                         f"that launches with PDL; not available on {device}")
+    allow(supported(device) if wanted is None else wanted)
+    return _state["allowed"]
+
+
+@contextmanager
+def launching(on: bool):
+    """The PDL-aware kernels launched inside this block use PDL if `on` and
+    it is allowed; outside every block they launch plainly."""
+    before = _state["on"]
+    _state["on"] = on and _state["allowed"]
+    try:
+        yield
+    finally:
+        _state["on"] = before
 
 
 def is_on() -> bool:
     return _state["on"]
-
-
-def prefetching() -> bool:
-    return _state["prefetch"]
 
 
 def launch_options() -> dict:

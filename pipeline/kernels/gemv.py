@@ -31,8 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pipeline.kernels import dependent_launch, interpreting, next_power_of_2
-from pipeline.kernels.dependent_launch import wait_then_release
+from pipeline.kernels import interpreting, next_power_of_2
+from pipeline.kernels.dependent_launch import launch_options, wait_then_release
 
 MODES = ("defer", "reduce", "dot")
 _MODE_ID = {name: i for i, name in enumerate(MODES)}
@@ -110,8 +110,7 @@ def beats_cublas(M: int, N: int) -> bool:
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split, x_stride, w_stride,
                  HAS_BIAS: tl.constexpr, MODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 UPCAST_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, USE_GDC: tl.constexpr,
-                 PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
+                 UPCAST_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, USE_GDC: tl.constexpr):
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,10 +118,6 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split
     m_mask, n_mask = rm < M, rn < N
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PREFETCH_LINES > 0:
-        # The weights are never written by a kernel: their first lines can
-        # stream into L2 while the previous kernel (which writes x) ends.
-        prefetch_l2(w_ptr, rn, n_mask, k_start, k_end, w_stride, PREFETCH_LINES, LINE)
     wait_then_release(USE_GDC)
     x_ptrs = x_ptr + rm[:, None] * x_stride + (k_start + rk)[None, :]
     # int64 row offsets: a weight past 2**31 elements must not wrap.
@@ -159,19 +154,6 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.store(part_ptr + (split * M + rm)[:, None] * N + rn[None, :], acc, mask=out_mask)
-
-
-@triton.jit
-def prefetch_l2(w_ptr, rn, n_mask, k_start, k_end, w_stride, LINES: tl.constexpr, LINE: tl.constexpr):
-    """One `prefetch.global.L2` per 128-byte line of the first LINES lines of
-    each of this program's weight rows (masked lanes prefetch the row's
-    first line, which is valid)."""
-    cols = k_start + tl.arange(0, LINES) * LINE
-    ok = n_mask[:, None] & (cols < k_end)[None, :]
-    rows = tl.where(n_mask, rn, 0).to(tl.int64)[:, None] * w_stride
-    ptrs = w_ptr + rows + tl.where(ok, cols[None, :], k_start)
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -223,9 +205,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         block_m = max(_DOT_MIN, block_m)
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight  # never read without HAS_BIAS
-    pdl = dependent_launch.launch_options()
-    line = 128 // weight.element_size()
-    prefetch_lines = _prefetch_lines(cfg.block_n, k_per_split, line) if dependent_launch.prefetching() else 0
+    pdl = launch_options()
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
         x2, weight, bias_arg, out, part, M, N, K, k_per_split, x2.stride(0), weight.stride(0),
         HAS_BIAS=has_bias, MODE=_MODE_ID[cfg.mode], SPLIT_K=cfg.split_k, EVEN_K=K == k_per_split * cfg.split_k,
@@ -235,26 +215,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         # tl.dot; products of bf16 values are exact in float32, so upcasting
         # there computes what the GPU's bf16 dot does.
         UPCAST_DOT=interpreting() and x.dtype == torch.bfloat16,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PREFETCH_LINES=prefetch_lines, LINE=line, **pdl)
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if cfg.split_k > 1:
         block = 1024
         _split_sum_kernel[(M, triton.cdiv(N, block))](part, bias_arg, out, M, N, HAS_BIAS=has_bias,
                                                       SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4, **pdl)
     return out.reshape(*x.shape[:-1], N)
 
-
-# Bytes of weights each program prefetches before its wait: enough lines to
-# cover a kernel boundary (a microsecond or two at 4 TB/s, over every
-# program), few enough that a wide projection's prefetches (gate_up: 344
-# programs) stay well inside the 50 MB L2 instead of evicting each other.
-_PREFETCH_BYTES = 8192
-
-
-def _prefetch_lines(block_n: int, k_per_split: int, line: int) -> int:
-    """Lines per weight row to prefetch (a power of two, 0 for none)."""
-    lines = min(_PREFETCH_BYTES // (128 * block_n), triton.cdiv(k_per_split, line))
-    return 1 << (lines.bit_length() - 1) if lines > 0 else 0
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
