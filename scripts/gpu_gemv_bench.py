@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from pipeline.kernels import dependent_launch  # noqa: E402
 from pipeline.kernels.gemv import GemvConfig, gemv  # noqa: E402
 
 LAYERS = 36
@@ -215,12 +216,21 @@ def main() -> int:
     p.add_argument("--shapes", nargs="+", default=[s.name for s in SHAPES], choices=[s.name for s in SHAPES])
     p.add_argument("--replays", type=int, default=50, help="graph replays per measurement (lm_head: a fifth)")
     p.add_argument("--budget-s", type=float, default=170.0, help="after this, remaining gemv configs are skipped")
+    p.add_argument("--pdl", action="store_true",
+                   help="launch the gemv kernels with programmatic dependent launch, as small decode "
+                        "batches do (pipeline/kernels/dependent_launch.py); cuBLAS is unchanged")
     args = p.parse_args()
+    dependent_launch.allow(args.pdl)
+    with dependent_launch.launching(args.pdl):
+        return run(args)
+
+
+def run(args) -> int:
     started = time.monotonic()
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     report = dict(device=props.name, torch=torch.__version__, triton=triton.__version__, l2_bytes=l2,
-                  layers=LAYERS, replays=args.replays, rows=[])
+                  layers=LAYERS, replays=args.replays, pdl=args.pdl, rows=[])
     print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, L2 {l2 >> 20} MiB", flush=True)
     status = 0
     try:
