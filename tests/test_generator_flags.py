@@ -27,6 +27,12 @@ def test_kv_cache_mib_defaults_to_auto_at_nine_tenths():
     assert parse_args([*ADDRESS, "--gpu-memory-utilization", "1"]).gpu_memory_utilization == 1.0
 
 
+
+def test_dependent_launch_is_the_default_and_can_be_turned_off():
+    assert parse_args(ADDRESS).no_dependent_launch is False   # EngineConfig.dependent_launch None: where supported
+    assert parse_args([*ADDRESS, "--no-dependent-launch"]).no_dependent_launch is True
+
+
 @pytest.mark.parametrize("flags", [
     ["--kv-cache-mib", "-1"], ["--kv-cache-mib", "0"], ["--kv-cache-mib", "lots"], ["--kv-cache-mib", "1.5"],
     ["--gpu-memory-utilization", "0"], ["--gpu-memory-utilization", "1.5"],
