@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,9 +23,7 @@ import torch
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed: the fused decode kernels are CUDA-only extras", allow_module_level=True)
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported without its interpreter; run this file alone", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
+import test_kernels  # noqa: E402,F401  (sets TRITON_INTERPRET=1 before triton loads)
 from pipeline.engine.decode_graphs import DEPENDENT_LAUNCH_MAX_BATCH  # noqa: E402
 from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
 from pipeline.kernels import dependent_launch  # noqa: E402
@@ -56,6 +55,12 @@ def test_on_only_inside_a_launching_block_and_only_when_allowed():
         with dependent_launch.launching(True):
             raise RuntimeError("a capture that fails")
     assert not dependent_launch.is_on()
+    seen = []
+    with dependent_launch.launching(True):   # per thread: another thread launches plainly meanwhile
+        other = threading.Thread(target=lambda: seen.append(dependent_launch.launch_options()))
+        other.start()
+        other.join()
+    assert seen == [{"USE_GDC": False}]
 
 
 def test_configured_on_only_where_supported():

@@ -20,19 +20,22 @@ a kernel two launches later still sees everything written before it. So
 each PDL kernel here waits unconditionally, at its top (`wait_then_release`).
 
 Where: the decode graphs of small batches (`launching`, around their
-capture), where a step is hundreds of kernels of a few microseconds. At
-batch 32 (cuBLAS projections, longer kernels) the same launches measured
-0.6% slower, so larger decode batches, mixed steps and the vision tower
-launch plainly.
+capture), where a step is hundreds of kernels of a few microseconds. From
+16 rows (cuBLAS projections, longer kernels) the same launches measured
+0.4-3.2% slower, so larger decode batches, mixed steps and the vision
+tower launch plainly.
 
-Process-wide permission, off until `configure` (the engine, from its
+The permission is process-wide, off until `configure` (the engine, from its
 config) allows it, and only where `supported` says the GPU, the Triton
 build and the mode (not the CPU interpreter) can: the choice changes the
-compiled kernels, so it is made before any graph is captured.
+compiled kernels, so it is made before any graph is captured. Whether a
+`launching` block is open is per thread: a vision forward on another
+thread launches plainly meanwhile.
 """
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -41,7 +44,8 @@ import triton.language as tl
 
 from pipeline.kernels import interpreting
 
-_state = {"allowed": False, "on": False}
+_allowed = {"value": False}
+_block = threading.local()   # .on: inside a launching(True) block, where allowed
 
 
 def supported(device: torch.device) -> bool:
@@ -62,7 +66,7 @@ def supported(device: torch.device) -> bool:
 def allow(on: bool) -> None:
     """Permit (or forbid) PDL launches inside `launching` blocks, with no
     check of the device: configure's effect, for tests and benchmarks."""
-    _state["allowed"] = bool(on)
+    _allowed["value"] = bool(on)
 
 
 def configure(wanted: bool | None, device: torch.device) -> bool:
@@ -72,29 +76,29 @@ def configure(wanted: bool | None, device: torch.device) -> bool:
         raise ValueError(f"dependent launch needs a GPU of compute capability 9.0 or later and a Triton "
                          f"that launches with PDL; not available on {device}")
     allow(supported(device) if wanted is None else wanted)
-    return _state["allowed"]
+    return _allowed["value"]
 
 
 @contextmanager
 def launching(on: bool):
     """The PDL-aware kernels launched inside this block use PDL if `on` and
     it is allowed; outside every block they launch plainly."""
-    before = _state["on"]
-    _state["on"] = on and _state["allowed"]
+    before = is_on()
+    _block.on = on and _allowed["value"]
     try:
         yield
     finally:
-        _state["on"] = before
+        _block.on = before
 
 
 def is_on() -> bool:
-    return _state["on"]
+    return getattr(_block, "on", False)
 
 
 def launch_options() -> dict:
     """Keyword arguments for a kernel launch: the USE_GDC constexpr every
     PDL-aware kernel takes, and Triton's launch_pdl flag when it is on."""
-    if _state["on"]:
+    if is_on():
         return {"USE_GDC": True, "launch_pdl": True}
     return {"USE_GDC": False}
 

@@ -223,7 +223,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out.reshape(*x.shape[:-1], N)
 
 
-
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """What gemv computes, for the tests."""
     return F.linear(x, weight, bias)
