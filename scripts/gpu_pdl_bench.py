@@ -63,7 +63,40 @@ def replay_device_ms(graph, replays: int = 100) -> float:
     return start.elapsed_time(end) / replays
 
 
-def run_way(model, tokenizer, device, pdl: bool, batch: int, context: int, steps: int) -> dict:
+def replay_timeline(graph, top: int = 12) -> dict:
+    """One profiled replay: per kernel name, launches, summed duration, and
+    exposed time (what it adds to the timeline beyond the kernels that
+    started before it: with PDL a kernel's duration includes its wait), and
+    the idle time between kernels. Kernels inside graphs need CUPTI's graph
+    records; `kernels` is 0 where the profiler saw none."""
+    from torch.profiler import ProfilerActivity, profile
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    by_name: dict[str, dict] = {}
+    frontier, idle = None, 0.0
+    for start, end, name in spans:
+        if frontier is not None:
+            idle += max(0.0, start - frontier)
+        exposed = end - start if frontier is None else max(0.0, end - max(start, frontier))
+        frontier = end if frontier is None else max(frontier, end)
+        row = by_name.setdefault(name[:80], {"launches": 0, "duration_us": 0.0, "exposed_us": 0.0})
+        row["launches"] += 1
+        row["duration_us"] += end - start
+        row["exposed_us"] += exposed
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1]["exposed_us"])
+    span = spans[-1][1] - spans[0][0] if spans else 0.0
+    return {"kernels": len(spans), "span_us": span, "idle_us": idle,
+            "top": [{"kernel": k, **{f: round(v, 1) if isinstance(v, float) else v for f, v in row.items()}}
+                    for k, row in rows[:top]]}
+
+
+def run_way(model, tokenizer, device, pdl: bool, batch: int, context: int, steps: int,
+            timeline: bool = False) -> dict:
     engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
                                                    max_num_seqs=batch + 1, kv_cache_bytes=8 << 30,
                                                    fast_decode=True, fast_mixed=False, decode_matmul="triton",
@@ -93,6 +126,8 @@ def run_way(model, tokenizer, device, pdl: bool, batch: int, context: int, steps
     graph, _ = decode.graphs[decode.last_bucket]
     result = {"step_ms": step_ms, "steady_step_ms": steady_ms, "replay_ms": replay_device_ms(graph),
               "tokens": [tokens[f"b{i}"] for i in range(batch)]}
+    if timeline:
+        result["timeline"] = replay_timeline(graph)
     return result  # the engine (and its KV cache) goes with this frame
 
 
@@ -103,6 +138,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--timeline", action="store_true",
+                   help="also profile one replay per way and batch in the first round (kernel times, exposed)")
     p.add_argument("--pdl-max-batch", type=int, default=None,
                    help="decode buckets up to this many rows use PDL in the pdl way "
                         "(default: the engine's, decode_graphs.DEPENDENT_LAUNCH_MAX_BATCH)")
@@ -126,7 +163,10 @@ def main() -> int:
     for r in range(args.rounds):
         for batch in [int(b) for b in args.batches.split(",")]:
             for way, on in WAYS.items():
-                got = run_way(model, tokenizer, device, on, batch, args.context, args.steps)
+                got = run_way(model, tokenizer, device, on, batch, args.context, args.steps,
+                              timeline=args.timeline and r == 0)
+                if "timeline" in got:
+                    report.setdefault("timeline", {}).setdefault(f"batch{batch}", {})[way] = got.pop("timeline")
                 torch.cuda.empty_cache()
                 runs.setdefault(f"batch{batch}", {}).setdefault(way, []).append(got)
                 print(f"round {r} batch {batch} {way}: step {got['step_ms']:.3f} ms, back to back "

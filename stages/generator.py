@@ -346,10 +346,21 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     inbound: queue.SimpleQueue = queue.SimpleQueue()
     replies = transport.Outbox(ctx)
-    receiver = threading.Thread(target=receive, name="receiver",
-                                args=(inbox, inbound, stop, service, replies, args.media_decode_workers,
-                                      args.media_budget_mib << 20),
-                                daemon=True)
+    deaf = threading.Event()
+
+    def receive_or_stop():
+        # A generator whose receiver is gone still looks alive but hears
+        # nothing: stop it, with a failing exit, so its supervisor restarts it.
+        try:
+            receive(inbox, inbound, stop, service, replies, args.media_decode_workers, args.media_budget_mib << 20)
+        except BaseException:
+            log.exception("the receiver thread failed")
+        finally:
+            if not stop.is_set():
+                log.error("the receiver thread ended; stopping this generator")
+                deaf.set()
+                stop.set()
+    receiver = threading.Thread(target=receive_or_stop, name="receiver", daemon=True)
     receiver.start()
     log.info("generator %s ready on %s (mode %s, device %s, %d CPU threads)", args.instance, args.address,
              args.mode, service.device, torch.get_num_threads())
@@ -362,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         inbox.close()
         outbox.close()
         ctx.term()
-    return 0
+    return 1 if deaf.is_set() else 0
 
 
 if __name__ == "__main__":

@@ -54,13 +54,15 @@ def test_requests_keep_succeeding_while_a_generator_is_stopped(epd):
 
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(load) for _ in range(3)]
-        until(lambda: served_after(0.0, 3), "the load to be served", deadline_s=60)
-        epd.stop_stage("gen1")
-        # Requests go on through gen1's down timeout (those it held move on) and after it.
-        until(lambda: looks_down(epd, "gen1"), "the proxy to see gen1 down")
-        down_at = time.monotonic()
-        until(lambda: served_after(down_at, 12), "12 requests served with gen1 down", deadline_s=60)
-        stop_done.set()
+        try:
+            until(lambda: served_after(0.0, 3), "the load to be served", deadline_s=60)
+            epd.stop_stage("gen1")
+            # Requests go on through gen1's down timeout (those it held move on) and after it.
+            until(lambda: looks_down(epd, "gen1"), "the proxy to see gen1 down")
+            down_at = time.monotonic()
+            until(lambda: served_after(down_at, 12), "12 requests served with gen1 down", deadline_s=60)
+        finally:
+            stop_done.set()   # a failure above fails the test; without this the load would go on forever
         for future in futures:
             future.result(timeout=120)
     epd.restart_stage("gen1")
