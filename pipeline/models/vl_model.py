@@ -54,7 +54,6 @@ class VisionLanguageModel(nn.Module):
         """One decode token per request (a batched decode step), in one tensor."""
         return decode_step_positions(indices, deltas)
 
-    def logits(self, hidden: torch.Tensor, linear=torch.nn.functional.linear) -> torch.Tensor:
-        """`linear`: F.linear's contract; a fast path passes its LayerOps' (decode's gemv)."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.cfg.text.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight)
+        return torch.nn.functional.linear(hidden, weight)
