@@ -9,9 +9,10 @@ does:
 - one run of all its tokens;
 - a run per temporal patch (`frame_runs`), each written as the patch's
   timestamp label, the vision start token, the run, the vision end token.
-  The chat template's own start and end tokens still wrap the whole, so
-  they nest as the reference's do. The labels are text, so they are put in
-  before tokenizing.
+  Each patch then carries its own start and end, so the chat template's
+  pair around the placeholder is dropped, as the reference processor does
+  (transformers 5.25 and later; 5.24 kept that pair, nesting every patch
+  inside it). The labels are text, so they are put in before tokenizing.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def label_video_text(text: str, plans: Sequence[VideoPlan], tokenizer: Tokenizer
     if not video.frame_runs:
         return text
     start, end = tokenizer.token_text(video.start_token_id), tokenizer.token_text(video.end_token_id)
+    pieces = text.replace(start + placeholder + end, placeholder).split(placeholder)
     out = [pieces[0]]
     for plan, piece in zip(plans, pieces[1:]):
         out += [f"{timestamp_label(t)}{start}{placeholder}{end}" for t in plan.timestamps] + [piece]
