@@ -15,6 +15,10 @@
 # sends every image from epd-bench's pool of 4 (--image-reuse 1), so that
 # after the first few no image costs any vision work: the same LM work with
 # none of the vision, the floor of the text-only TPOT.
+# MIXED_SEARCH=STEPS:LOW:HIGH first searches aggregated's sustained maximum for
+# the mixed load (epd-bench's paced search, as the other workloads since
+# session 15), runs aggregated's interference run at it, and sets the rate of
+# the RUNS that follow from it.
 # TINY=1 runs the serving part on the CPU with the tiny model (a smoke test).
 source "$(dirname "$0")/device_prelude.sh"
 R=/tmp/interference; rm -rf "$R"; mkdir -p "$R"
@@ -31,6 +35,20 @@ if [ "${MICRO:-0}" = 1 ] && [ "${TINY:-0}" != 1 ]; then
   echo "== stream priority, no MPS (time-sliced)"
   timeout 120 python3 scripts/gpu_mps_stream_priority.py --seconds 3 --json "$OUT/micro-nomps.json"
 fi
+# One file back per run, copied as it ends (the device tool returns few files, and
+# a call cut short keeps what is in $OUT): its summary, with the interference
+# figures; the per-request records and logs are in the tarball.
+keep() { cp "$R/$1"/*-summary.json "$OUT/$1-summary.json" 2>/dev/null; }
+if [ -n "${MIXED_SEARCH:-}" ]; then
+  echo "== aggregated-search ($MIXED_SEARCH)"
+  timeout 420 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/aggregated-search" "${tiny[@]}" \
+    "${timing[@]}" --mixed-search "$MIXED_SEARCH"
+  found=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["mixed_search"]["max_request_rate"] or "")' \
+    "$R/aggregated-search/aggregated-summary.json")
+  keep aggregated-search
+  if [ -n "$found" ]; then rate=$found; echo "mixed maximum (aggregated): $rate req/s"
+  else echo "no passing step in $MIXED_SEARCH: no runs at its maximum"; runs=""; fi
+fi
 for name in $runs; do
   echo "== $name"
   layout=${name%%-*}
@@ -40,9 +58,7 @@ for name in $runs; do
   timeout 200 python3 scripts/gpu_sustained.py "${args[@]}" --out "$R/$name" "${tiny[@]}" "${timing[@]}" \
     --interference-rate "$rate"
   grep -h "encoder profile" "$R/$name"/logs/*/encoder-0.log 2>/dev/null | tail -2 | sed 's/^.*INFO //'
+  keep "$name"
 done
-# One file back per run (the device tool returns few files): its summary, with the
-# interference figures; the per-request records and logs are in the tarball.
-for name in $runs; do cp "$R/$name"/*-summary.json "$OUT/$name-summary.json" 2>/dev/null; done
 tar czf "$OUT/interference.tgz" -C /tmp --exclude='mps-*' interference
 ls "$OUT"
