@@ -49,9 +49,13 @@ if [ -n "${MIXED_SEARCH:-}" ]; then
   if [ -n "$found" ]; then rate=$found; echo "mixed maximum (aggregated): $rate req/s"
   else echo "no passing step in $MIXED_SEARCH: no runs at its maximum"; runs=""; fi
 fi
-for name in $runs; do
+declare -A seen=()
+for run in $runs; do
+  # A name given again runs again, into a folder of its own (name.2, ...).
+  seen[$run]=$(( ${seen[$run]:-0} + 1 )); name=$run
+  [ "${seen[$run]}" -gt 1 ] && name=$run.${seen[$run]}
   echo "== $name"
-  layout=${name%%-*}
+  layout=${run%%-*}; layout=${layout%%.*}
   args=(--layout "$layout")
   [[ $name =~ -t([0-9]+) ]] && args+=("--launch-arg=--max-num-batched-tokens=${BASH_REMATCH[1]}")
   [[ $name == *-reuse* ]] && args+=("--bench-arg=--image-reuse=1")
