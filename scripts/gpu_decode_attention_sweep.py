@@ -22,12 +22,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
 from pipeline.kernels import dependent_launch  # noqa: E402
 from pipeline.kernels.decode_attention import paged_decode_attention, plan_splits  # noqa: E402
+from gpu_pdl_bench import replay_device_ms  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, DIM, PAGE = 36, 16, 2, 128, 16
 
@@ -51,15 +53,7 @@ def time_us(launch, replays: int = 30) -> float:
     with torch.cuda.graph(graph):
         for _ in range(LAYERS):
             launch()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays / LAYERS
+    return replay_device_ms(graph, replays) * 1e3 / LAYERS
 
 
 def sweep(batch: int, context: int, sms: int, device) -> dict:
