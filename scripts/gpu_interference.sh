@@ -55,10 +55,10 @@ for run in $runs; do
   seen[$run]=$(( ${seen[$run]:-0} + 1 )); name=$run
   [ "${seen[$run]}" -gt 1 ] && name=$run.${seen[$run]}
   echo "== $name"
-  layout=${run%%-*}; layout=${layout%%.*}
+  layout=${run%%-*}
   args=(--layout "$layout")
-  [[ $name =~ -t([0-9]+) ]] && args+=("--launch-arg=--max-num-batched-tokens=${BASH_REMATCH[1]}")
-  [[ $name == *-reuse* ]] && args+=("--bench-arg=--image-reuse=1")
+  [[ $run =~ -t([0-9]+) ]] && args+=("--launch-arg=--max-num-batched-tokens=${BASH_REMATCH[1]}")
+  [[ $run == *-reuse* ]] && args+=("--bench-arg=--image-reuse=1")
   timeout 200 python3 scripts/gpu_sustained.py "${args[@]}" --out "$R/$name" "${tiny[@]}" "${timing[@]}" \
     --interference-rate "$rate"
   grep -h "encoder profile" "$R/$name"/logs/*/encoder-0.log 2>/dev/null | tail -2 | sed 's/^.*INFO //'
