@@ -150,3 +150,28 @@ def test_an_abort_between_steps_leaves_the_others_their_own_tokens(tiny):  # noq
     assert finished["m1"] == "abort" and expected["m1"][:len(outputs.get("m1", []))] == outputs.get("m1", [])
     assert {rid: outputs[rid] for rid in ("m0", "m2")} == {rid: expected[rid] for rid in ("m0", "m2")}
     assert engine.scheduler.block_pool.num_used == 0 and not engine.live and not engine.has_work()
+
+
+def test_the_wait_for_a_step_read_late_is_in_its_kinds_time(tiny):  # noqa: F811
+    """An arrival makes the engine read the step in flight before it plans a
+    prefill; that wait is the launched decode step's time, not idle time."""
+    model, processor = tiny
+    requests = {f"r{i}": make_request(processor, i, 0) for i in range(3)}
+    engine = engine_for(tiny, ahead=True)
+    waits = []
+    add_wait = engine.profile.add_wait
+    engine.profile.add_wait = lambda kind, seconds: (waits.append((kind, seconds)), add_wait(kind, seconds))
+    run_engine(engine, model, requests, {0: ["r0"], 5: ["r1"], 9: ["r2"]}, {})
+    assert waits and {kind for kind, _ in waits} == {"decode"} and all(s >= 0 for _, s in waits)
+    window = engine.profile.window()
+    # The decode kind's time holds the waits on top of its steps' own phases.
+    assert window["decode"]["update_ms"] * window["decode"]["steps"] >= sum(s for _, s in waits) * 1000 - 0.01
+
+
+def test_a_window_that_holds_only_a_wait_reports_no_steps():
+    from pipeline.engine.step_profile import StepProfile
+    profile = StepProfile()
+    profile.add_wait("decode", 0.25)
+    got = profile.window()["decode"]
+    assert got["steps"] == 0 and got["update_ms"] == 250.0 and got["busy"] > 0
+    assert profile.counters() == {"steps.decode": 0, "step_tokens.decode": 0, "step_us.decode": 250000}

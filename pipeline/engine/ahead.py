@@ -70,7 +70,12 @@ class DecodeAhead:
         self.launched = None
         t0 = time.perf_counter()
         if not engine.scheduler.can_decode_ahead({c.request_id for c in launched.due}):
-            return self._collect(engine, launched)   # the next step plans with every token known
+            outputs = self._collect(engine, launched)   # the next step plans with every token known
+            # The wait is the launched step's device time: its kind's, or the
+            # step profile's busy share misses it.
+            kind = step_kind(len(launched.plan.chunks), len(launched.plan.chunks), 0)
+            engine.profile.add_wait(kind, time.perf_counter() - t0)
+            return outputs
         plan = engine.scheduler.schedule()
         self.steps += 1
         t1 = time.perf_counter()

@@ -46,6 +46,12 @@ class StepProfile:
         total[1] += tokens
         total[2] += sum(phases.values())
 
+    def add_wait(self, kind: str, seconds: float) -> None:
+        """A wait for a step already recorded (decode ahead reads a launched
+        step's tokens later): its time, in the update phase, and no new step."""
+        self._steps[kind]["update_s"] += seconds
+        self._totals[kind][2] += seconds
+
     def counters(self) -> dict[str, int]:
         """{"steps.KIND", "step_tokens.KIND", "step_us.KIND": running totals}."""
         out = {}
@@ -62,9 +68,10 @@ class StepProfile:
         seconds = max(now - self._start, 1e-9)
         out: dict = {"seconds": round(seconds, 2), "outside_share": round(self.outside_s / seconds, 3)}
         for kind, row in self._steps.items():
-            n = row["steps"]
+            n = row["steps"] or 1   # a window may hold only a wait for a step of the last one
             total = sum(row[p + "_s"] for p in PHASES)
-            out[kind] = {"steps": int(n), "tokens": int(row["tokens"]), "mean_ms": round(total / n * 1000, 2),
+            out[kind] = {"steps": int(row["steps"]), "tokens": int(row["tokens"]),
+                         "mean_ms": round(total / n * 1000, 2),
                          **{f"{p}_ms": round(row[p + "_s"] / n * 1000, 2) for p in PHASES if row[p + "_s"]},
                          "mean_tokens": round(row["tokens"] / n, 1), "mean_seqs": round(row["seqs"] / n, 1),
                          "busy": round(total / seconds, 3)}
