@@ -71,8 +71,8 @@ class DecodeAhead:
         t0 = time.perf_counter()
         if not engine.scheduler.can_decode_ahead({c.request_id for c in launched.due}):
             outputs = self._collect(engine, launched)   # the next step plans with every token known
-            # The wait is the launched step's device time: its kind's, or the
-            # step profile's busy share misses it.
+            # The wait is the launched step's device time: count it as that
+            # step's, not as idle time between steps.
             kind = step_kind(len(launched.plan.chunks), len(launched.plan.chunks), 0)
             engine.profile.add_wait(kind, time.perf_counter() - t0)
             return outputs
