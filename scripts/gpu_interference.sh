@@ -14,7 +14,8 @@
 # suffixes: -tN runs every generator at --max-num-batched-tokens N; -reuse
 # sends every image from epd-bench's pool of 4 (--image-reuse 1), so that
 # after the first few no image costs any vision work: the same LM work with
-# none of the vision, the floor of the text-only TPOT.
+# none of the vision, the floor of the text-only TPOT; -paceN runs every
+# generator at --prefill-pacing-ms N (-holdM: --prefill-pacing-max-hold-ms M).
 # MIXED_SEARCH=STEPS:LOW:HIGH first searches aggregated's sustained maximum for
 # the mixed load (epd-bench's paced search, as the other workloads since
 # session 15), runs aggregated's interference run at it, and sets the rate of
@@ -59,6 +60,8 @@ for run in $runs; do
   args=(--layout "$layout")
   [[ $run =~ -t([0-9]+) ]] && args+=("--launch-arg=--max-num-batched-tokens=${BASH_REMATCH[1]}")
   [[ $run == *-reuse* ]] && args+=("--bench-arg=--image-reuse=1")
+  [[ $run =~ -pace([0-9.]+) ]] && args+=("--launch-arg=--stage-arg=generator=--prefill-pacing-ms=${BASH_REMATCH[1]}")
+  [[ $run =~ -hold([0-9.]+) ]] && args+=("--launch-arg=--stage-arg=generator=--prefill-pacing-max-hold-ms=${BASH_REMATCH[1]}")
   timeout 200 python3 scripts/gpu_sustained.py "${args[@]}" --out "$R/$name" "${tiny[@]}" "${timing[@]}" \
     --interference-rate "$rate"
   grep -h "encoder profile" "$R/$name"/logs/*/encoder-0.log 2>/dev/null | tail -2 | sed 's/^.*INFO //'

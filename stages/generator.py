@@ -120,6 +120,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="CUDA: launch the fused kernels plainly, not with programmatic dependent launch "
                         "(the default on GPUs that have it, sm_90 and later)")
     add_vision_graph_flags(p, "aggregated mode and fallback encodes, ")
+    p.add_argument("--prefill-pacing-ms", type=float, default=None, metavar="MS",
+                   help="hold prefill chunks while decoding requests' mean time between tokens (over the last "
+                        "32 steps, the next one counted as long as the last mixed one) would pass MS; requests "
+                        "waiting for their first token wait longer instead (default: off)")
+    p.add_argument("--prefill-pacing-max-hold-ms", type=float, default=500.0, metavar="MS",
+                   help="with --prefill-pacing-ms: the longest prefill is held in a row (default: 500)")
     p.add_argument("--eager-mixed", action="store_true",
                    help="CUDA: run mixed prefill/decode steps eagerly, not through the fused kernels and "
                         "CUDA graphs (the default wherever decode runs them)")
@@ -130,6 +136,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     check_vision_graph_flags(p, args)
+    if args.prefill_pacing_ms is not None and not args.prefill_pacing_ms > 0:
+        p.error("--prefill-pacing-ms must be above 0")
+    if not args.prefill_pacing_max_hold_ms >= 0:
+        p.error("--prefill-pacing-max-hold-ms must be at least 0")
     if args.mode == "aggregated" and args.encode_fallback != "off":
         p.error("--encode-fallback is for --mode epd (an aggregated generator encodes every image itself)")
     return args
@@ -154,7 +164,9 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
                           kv_bytes, args.encoder_cache_tokens, aggregated,
                           args.local_encode_tokens, fast_mixed=False if args.eager_mixed else None,
                           decode_matmul=args.decode_matmul, decode_ahead=False if args.no_decode_ahead else None,
-                          dependent_launch=False if args.no_dependent_launch else None)
+                          dependent_launch=False if args.no_dependent_launch else None,
+                          prefill_pacing_ms=args.prefill_pacing_ms,
+                          prefill_pacing_max_hold_ms=args.prefill_pacing_max_hold_ms)
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
     blocks = engine.scheduler.config.num_blocks
     log.info("KV cache: %.2f GiB (%d MiB), %d blocks of %d tokens, %d tokens (%s)", kv_bytes / GIB,

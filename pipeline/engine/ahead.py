@@ -64,19 +64,20 @@ class DecodeAhead:
         self.launched = Launched(plan, due, queue_choice(logits, rows, engine.penalties, masks))
         engine.scheduler.advance(plan)
 
-    def step(self, engine) -> list[RequestOutput]:
-        """The outputs of the step in flight, with the next one launched where it can be."""
+    def step(self, engine, prefill: bool = True) -> list[RequestOutput]:
+        """The outputs of the step in flight, with the next one launched where
+        it can be. prefill=False: the next step may only decode (engine/pacing.py)."""
         launched = self.launched
         self.launched = None
         t0 = time.perf_counter()
-        if not engine.scheduler.can_decode_ahead({c.request_id for c in launched.due}):
+        if not engine.scheduler.can_decode_ahead({c.request_id for c in launched.due}, prefill):
             outputs = self._collect(engine, launched)   # the next step plans with every token known
             # The wait is the launched step's device time: count it as that
             # step's, not as idle time between steps.
             kind = step_kind(len(launched.plan.chunks), len(launched.plan.chunks), 0)
             engine.profile.add_wait(kind, time.perf_counter() - t0)
             return outputs
-        plan = engine.scheduler.schedule()
+        plan = engine.scheduler.schedule(prefill)
         self.steps += 1
         t1 = time.perf_counter()
         due, logits = self._run(engine, plan, launched)

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.engine.decode_graphs import MATMULS, DecodeGraphs
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.decode_graphs import DecodeGraphs
 from pipeline.engine.kv_blocks import num_blocks_for_memory
 from pipeline.engine.mixed_graphs import MixedGraphs
 from pipeline.engine.output import RequestOutput, TextState
+from pipeline.engine.pacing import PrefillPacer, prefill_allowed
 from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.engine.plan import FinishedRequest, SchedulerConfig
 from pipeline.engine.request import ImageSpan, Request, RequestStatus
@@ -37,54 +39,6 @@ from pipeline.processing.processor import MultimodalPrompt
 from pipeline.processing.tokenizer import Tokenizer
 
 log = logging.getLogger("epd.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    block_size: int = 16
-    kv_cache_bytes: int = 64 << 20
-    encoder_cache_tokens: int = 16384
-    aggregated: bool = False
-    local_encode_tokens: int = 8192
-    # An embedding may arrive before its request (encoders can beat the
-    # proxy's request path); one that no request needs is dropped after this.
-    orphan_embedding_ttl: float = 30.0
-    # Pure-decode steps through static buffers and one batched attention per
-    # layer, captured as CUDA graphs on a GPU. None: on for CUDA, off for CPU.
-    fast_decode: bool | None = None
-    # Decode graphs for contexts up to this many tokens are captured when the
-    # engine starts, longer ones on first use.
-    capture_decode_len: int = 4096
-    # Mixed steps (prefill chunks beside decodes) through the fused Triton
-    # forward, one CUDA graph per token bucket captured at start-up. None: on
-    # wherever fast decode runs the Triton kernels (CUDA); True elsewhere
-    # needs TRITON_INTERPRET=1 (tests on the CPU). On the 2xH200 box under
-    # load, mixed steps took 25-27 ms this way against 270-340 ms eager
-    # (docs/benchmarks.md, step profile).
-    fast_mixed: bool | None = None
-    # What fast decode steps' projections run on: "cublas" (F.linear), or
-    # "triton": the small-M Triton matmul for the smallest batch buckets
-    # (turns on the fused decode path; mixed steps keep cuBLAS). None:
-    # "triton" wherever the fused decode kernels run. On the 2xH200 box it
-    # took batch-1 decode from 2.93 to 2.81 ms (docs/benchmarks.md, run G).
-    decode_matmul: str | None = None
-    # Fast decode steps launched before the last one's tokens are read, so
-    # the host's work of a step overlaps the device's (engine/ahead.py).
-    # None: on CUDA. At batch 32 on the H200 it took a greedy decode step
-    # from 4.31 to 3.29 ms, with the same tokens (docs/benchmarks.md).
-    decode_ahead: bool | None = None
-    # Small decode batches' fused kernels launched with programmatic
-    # dependent launch, each starting while the last one drains
-    # (kernels/dependent_launch.py). None: wherever fast decode runs them on
-    # a GPU that has it (sm_90+). On the H200 it took the 3B batch-1 decode
-    # step from 2.62 to 2.31 ms.
-    dependent_launch: bool | None = None
-
-    def __post_init__(self):
-        if self.decode_matmul is not None and self.decode_matmul not in MATMULS:
-            raise ValueError(f"EngineConfig.decode_matmul={self.decode_matmul!r}: want one of {MATMULS}")
 
 
 @dataclass
@@ -143,6 +97,8 @@ class Engine:
         self.ahead = DecodeAhead()   # a decode step in flight, read by the next step (engine/ahead.py)
         self._decode_ahead = config.decode_ahead if config.decode_ahead is not None else device.type == "cuda"
         self._arrivals = 0
+        hold_s = config.prefill_pacing_max_hold_ms / 1e3
+        self.pacer = PrefillPacer(None if config.prefill_pacing_ms is None else config.prefill_pacing_ms / 1e3, hold_s)
 
     def _configure_dependent_launch(self, fused: bool, device: torch.device) -> None:
         wanted = self.config.dependent_launch
@@ -287,17 +243,22 @@ class Engine:
         """Counters since start: scheduler yields and preemptions, step profile."""
         stats = self.scheduler.stats
         return {"yields": stats["yields_total"], "preemptions": stats["preemptions_total"],
-                "decode_ahead_steps": self.ahead.steps, **self.profile.counters()}
+                "decode_ahead_steps": self.ahead.steps, "prefill_held_steps": self.pacer.held_steps,
+                **self.profile.counters()}
 
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._admit_pending()
+        prefill = prefill_allowed(self.pacer, self.scheduler, time.monotonic())
         if self.ahead.launched is not None:
             self.last_step_idle = False
-            return self.ahead.step(self)
-        plan = self.scheduler.schedule()
+            outputs = self.ahead.step(self, prefill)
+            if outputs:
+                self.pacer.on_tokens(time.monotonic(), mixed=False)
+            return outputs
+        plan = self.scheduler.schedule(prefill)
         self.last_step_idle = not plan.chunks and not plan.encode_keys
         self.refetch += plan.refetch_keys
         t1 = time.perf_counter()
@@ -330,6 +291,8 @@ class Engine:
         outputs = [self.token_output(rid, token, finished.get(rid), logprobs.get(rid))
                    for rid, token in sampled.items()]
         self.scheduler.encoder_cache.drain_freed()
+        if outputs:
+            self.pacer.on_tokens(time.monotonic(), mixed=plan.num_batched_tokens > len(plan.chunks))
         self._record(plan, t0, t1, t2, t3)
         return outputs
 

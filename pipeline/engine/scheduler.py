@@ -143,21 +143,26 @@ class Scheduler:
 
     # ------------------------------------------------------------ scheduling
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, prefill: bool = True) -> StepPlan:
+        """The next step. prefill=False: a decode-only step; requests with
+        prompt tokens left sit it out (engine/pacing.py)."""
         self.encoder_cache.free_unused()
         plan = StepPlan(refetch_keys=self._refetch)
         self._refetch = []
         budget = _Budget(self.config.max_num_batched_tokens, self.config.local_encode_tokens)
-        self._schedule_running(plan, budget)
-        if not plan.preempted:   # blocks were short for running requests: admit nobody
+        self._schedule_running(plan, budget, prefill)
+        if prefill and not plan.preempted:   # blocks were short for running requests: admit nobody
             self._schedule_waiting(plan, budget)
         self._in_flight = _keys_read(plan)
         return plan
 
-    def _schedule_running(self, plan: StepPlan, budget: _Budget) -> None:
+    def _schedule_running(self, plan: StepPlan, budget: _Budget, prefill: bool) -> None:
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             request = self.running[i]
+            if not prefill and not _decodes(request):
+                i += 1
+                continue
             draft = self._draft_chunk(request, budget, plan)
             if draft.num_tokens == 0:
                 self._note_yield(request, plan)   # keeps its place in the running list
@@ -332,18 +337,26 @@ class Scheduler:
                 finished.append(self._finish(request, status))
         return finished
 
-    def can_decode_ahead(self, request_ids: set[str]) -> bool:
+    def can_decode_ahead(self, request_ids: set[str], prefill: bool = True) -> bool:
         """The next plan can be made before the last one's tokens are read:
-        nobody waits or is refetched, every running request decodes (it was
+        nobody is refetched or waits, every running request decodes (it was
         in `request_ids`, the last plan's), and one more token each fits in
-        the free blocks (a preempted request would recompute a pending token)."""
-        if self.waiting or self._refetch or not self.running:
+        the free blocks (a preempted request would recompute a pending token).
+        prefill=False, a decode-only plan: only the decoding requests count."""
+        decoding = [r for r in self.running if _decodes(r)]
+        if self._refetch or not decoding or (prefill and (self.waiting or len(decoding) < len(self.running))):
             return False
-        if any(r.request_id not in request_ids or r.num_tokens - r.num_computed_tokens != 1 for r in self.running):
+        if any(r.request_id not in request_ids for r in decoding):
             return False
         size = self.config.block_size
-        needing = sum(1 for r in self.running if blocks_needed(r.num_computed_tokens + 1, size) > len(r.block_ids))
-        return needing <= self.block_pool.num_free and len(self.running) <= self.config.max_num_batched_tokens
+        needing = sum(1 for r in decoding if blocks_needed(r.num_computed_tokens + 1, size) > len(r.block_ids))
+        return needing <= self.block_pool.num_free and len(decoding) <= self.config.max_num_batched_tokens
+
+    def prefill_due(self) -> bool:
+        return bool(self.waiting) or not all(_decodes(r) for r in self.running)
+
+    def any_decoding(self) -> bool:
+        return any(_decodes(r) for r in self.running)
 
     def _finish(self, request: Request, status: RequestStatus) -> FinishedRequest:
         if request.status is RequestStatus.RUNNING:
@@ -383,6 +396,11 @@ class Scheduler:
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id} is already scheduled")
         check_admissible(self.config, request)
+
+def _decodes(request: Request) -> bool:
+    """Its prompt is computed: the next step computes its last sampled token."""
+    return request.num_tokens - request.num_computed_tokens == 1
+
 
 def _next_keys(requests) -> set[str]:
     return {key for r in requests if (key := r.next_image_key()) is not None}

@@ -62,6 +62,8 @@ class ProxyMetrics:
 # Which StageStats entries become which series.
 _STAGE_COUNTERS = {"epd_yields": ("generator", "yields"), "epd_preemptions": ("generator", "preemptions"),
                    "epd_encoder_ring_wakes": ("encoder", "ring_wakes"),
+                   # Decode-only steps run while prefill was due (--prefill-pacing-ms).
+                   "epd_prefill_held_steps": ("generator", "prefill_held_steps"),
                    # Images a generator encoded itself while no encoder was up (--encode-fallback local).
                    "epd_encode_fallback_local": ("generator", "fallback_encodes")}
 _STAGE_GAUGES = {
