@@ -96,9 +96,29 @@ def test_the_engine_flags_parse_in_the_generator_and_the_proxy(tiny_dir):
     generator = next(s for s in specs if s.role == "generator")
     parsed = generator_args(list(generator.args))
     assert (parsed.gpu_memory_utilization, parsed.max_num_seqs, parsed.max_num_batched_tokens) == (0.7, 8, 4096)
+    assert parsed.prefill_pacing_ms is None   # off unless asked for
     proxy = next(s for s in specs if s.role == "proxy")
     parsed = proxy_args(list(proxy.args))
     assert parsed.max_images == 2 and parsed.max_model_len == 1024
+
+
+def test_prefill_pacing_from_a_file_reaches_every_generator(tmp_path, tiny_dir):
+    from stages.generator import parse_args as generator_args
+
+    text = "prefill-pacing-ms: 14\nprefill_pacing_max_hold_ms: 250\ngenerators: 2\n"
+    args = cli.parse_args(["--config", str(write(tmp_path, text)), "--model", str(tiny_dir), "--device", "cpu"])
+    generators = [s for s in plan_stages(cli.build_options(args), HostFacts(gpu_count=0)) if s.role == "generator"]
+    assert len(generators) == 2
+    for spec in generators:
+        parsed = generator_args(list(spec.args))
+        assert (parsed.prefill_pacing_ms, parsed.prefill_pacing_max_hold_ms) == (14.0, 250.0)
+
+
+@pytest.mark.parametrize("flag", ["--prefill-pacing-ms=0", "--prefill-pacing-max-hold-ms=-1"])
+def test_bad_pacing_exits_2_naming_the_flag(tiny_dir, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["--model", str(tiny_dir), "--device", "cpu", flag])
+    assert exc.value.code == 2 and flag.partition("=")[0] in capsys.readouterr().err
 
 
 def test_encode_fallback_goes_to_the_generators_and_the_proxy(tmp_path, tiny_dir, capsys):

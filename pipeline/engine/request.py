@@ -135,6 +135,11 @@ class Request:
     def is_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
 
+    @property
+    def is_decoding(self) -> bool:
+        """Its prompt is computed: the next step computes its last sampled token."""
+        return self.num_tokens - self.num_computed_tokens == 1
+
     def spans_in(self, start: int, end: int) -> tuple[ImageSpan, ...]:
         """Image spans that overlap token positions [start, end)."""
         if start >= self.images_end:

@@ -1,9 +1,8 @@
 """One step of continuous batching, planned on the CPU.
 
-`schedule()` returns a StepPlan (plain data); the runner executes it and
-`update()` applies the sampled tokens. Ledgers checked every step: the token
-budget, max_num_seqs, KV blocks, the encoder cache and, in aggregated mode, the
-local encode budget.
+`schedule()` returns a StepPlan (plain data); the runner executes it, `update()` applies the
+sampled tokens. Checked every step: the token budget, max_num_seqs, KV blocks, the encoder
+cache and, in aggregated mode, the local encode budget.
 
 Images: a request never waits inside a batch for an embedding that is not in
 the local encoder cache. Its chunk stops right before such a span, so the
@@ -78,7 +77,9 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. ValueError if it can never run here."""
-        self._check_admissible(request)
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id} is already scheduled")
+        check_admissible(self.config, request)
         self._requests[request.request_id] = request
         self.waiting.append(request)
         self._sync_cache_users(request)
@@ -160,7 +161,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             request = self.running[i]
-            if not prefill and not _decodes(request):
+            if not prefill and not request.is_decoding:
                 i += 1
                 continue
             draft = self._draft_chunk(request, budget, plan)
@@ -339,24 +340,23 @@ class Scheduler:
 
     def can_decode_ahead(self, request_ids: set[str], prefill: bool = True) -> bool:
         """The next plan can be made before the last one's tokens are read:
-        nobody is refetched or waits, every running request decodes (it was
-        in `request_ids`, the last plan's), and one more token each fits in
-        the free blocks (a preempted request would recompute a pending token).
+        nobody is refetched or waits, every running request decodes (it was in
+        `request_ids`, the last plan's), and one more token each fits in the
+        free blocks (a preempted request would recompute a pending token).
         prefill=False, a decode-only plan: only the decoding requests count."""
-        decoding = [r for r in self.running if _decodes(r)]
-        if self._refetch or not decoding or (prefill and (self.waiting or len(decoding) < len(self.running))):
-            return False
-        if any(r.request_id not in request_ids for r in decoding):
+        decoding = [r for r in self.running if r.is_decoding]
+        if self._refetch or not decoding or (prefill and (self.waiting or len(decoding) < len(self.running))) \
+                or any(r.request_id not in request_ids for r in decoding):
             return False
         size = self.config.block_size
         needing = sum(1 for r in decoding if blocks_needed(r.num_computed_tokens + 1, size) > len(r.block_ids))
         return needing <= self.block_pool.num_free and len(decoding) <= self.config.max_num_batched_tokens
 
     def prefill_due(self) -> bool:
-        return bool(self.waiting) or not all(_decodes(r) for r in self.running)
+        return bool(self.waiting) or not all(r.is_decoding for r in self.running)
 
     def any_decoding(self) -> bool:
-        return any(_decodes(r) for r in self.running)
+        return any(r.is_decoding for r in self.running)
 
     def _finish(self, request: Request, status: RequestStatus) -> FinishedRequest:
         if request.status is RequestStatus.RUNNING:
@@ -371,8 +371,6 @@ class Scheduler:
         return FinishedRequest(request.request_id, status, status.finish_reason,
                                tuple(request.output_token_ids), request.num_prompt_tokens,
                                request.num_preemptions)
-
-    # --------------------------------------------------------------- helpers
 
     def _sync_cache_users(self, request: Request) -> None:
         """Make the request a user of exactly the keys it still has to read."""
@@ -391,15 +389,6 @@ class Scheduler:
     def _note_yield(self, request: Request, plan: StepPlan) -> None:
         plan.yielded.append(request.request_id)
         self.stats["yields_total"] += 1
-
-    def _check_admissible(self, request: Request) -> None:
-        if request.request_id in self._requests:
-            raise ValueError(f"request {request.request_id} is already scheduled")
-        check_admissible(self.config, request)
-
-def _decodes(request: Request) -> bool:
-    """Its prompt is computed: the next step computes its last sampled token."""
-    return request.num_tokens - request.num_computed_tokens == 1
 
 
 def _next_keys(requests) -> set[str]:

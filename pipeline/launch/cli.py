@@ -94,6 +94,11 @@ def build_parser() -> OneLineParser:
     engine.add_argument("--limit-mm-per-prompt", type=_mm_limits, metavar="JSON",
                         help='e.g. \'{"image": 4, "video": 1}\': the proxy refuses a request with more media; '
                         "our limit is one count over images and videos together (their sum)")
+    engine.add_argument("--prefill-pacing-ms", type=float, metavar="MS",
+                        help="ours (vllm serve has none): hold prefill while decoding requests' mean time between "
+                        "tokens would pass MS, trading time to first token for steadier decode (default: off)")
+    engine.add_argument("--prefill-pacing-max-hold-ms", type=float, metavar="MS",
+                        help="with --prefill-pacing-ms: the longest prefill is held in a row (default: 500)")
     api = p.add_argument_group("the OpenAI API (passed to the proxy; see python3 -m stages.proxy --help)")
     api.add_argument("--served-model-name", nargs="+", metavar="NAME", help="names clients may ask for")
     api.add_argument("--chat-template", metavar="FILE|TEMPLATE",
@@ -138,6 +143,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.output_len < 1:
         p.error("--output-len must be at least 1")
+    if args.prefill_pacing_ms is not None and not args.prefill_pacing_ms > 0:
+        p.error("--prefill-pacing-ms must be > 0")
+    if args.prefill_pacing_max_hold_ms is not None and not args.prefill_pacing_max_hold_ms >= 0:
+        p.error("--prefill-pacing-max-hold-ms must be >= 0")
     if args.mode == "aggregated" and args.encode_fallback != "off":
         p.error("--encode-fallback is for --mode epd (aggregated generators encode every image themselves)")
     return args
@@ -190,7 +199,8 @@ def build_options(args: argparse.Namespace) -> LaunchOptions:
 def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     """The engine and API flags as the generators' and the proxy's own."""
     out = []
-    for name in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens"):
+    for name in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "prefill_pacing_ms",
+                 "prefill_pacing_max_hold_ms"):
         if getattr(args, name) is not None:
             out.append(("generator", f"--{name.replace('_', '-')}={getattr(args, name)}"))
     for name in ("log_level", "log_format"):

@@ -65,6 +65,8 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     limit_mm_per_prompt: dict[str, int] | None = None
+    prefill_pacing_ms: float | None = None
+    prefill_pacing_max_hold_ms: float | None = None
     log_dir: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] | None = None
     log_format: Literal["text", "json"] | None = None
