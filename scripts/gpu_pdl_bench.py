@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ from pipeline.processing.tokenizer import Tokenizer  # noqa: E402
 from pipeline.sampling_params import SamplingParams  # noqa: E402
 from gpu_decode_speed import _median_ms, copy_bandwidth  # noqa: E402
 
-WAYS = {"off": False, "pdl": True}   # --l2-prefetch-mb adds ways "pdl-l2-N": pdl, and EPD_L2_PREFETCH_MB=N
+WAYS = {"off": False, "pdl": True}
 
 
 def replay_device_ms(graph, replays: int = 100) -> float:
@@ -97,8 +96,7 @@ def replay_timeline(graph, top: int = 12) -> dict:
 
 
 def run_way(model, tokenizer, device, pdl: bool, batch: int, context: int, steps: int,
-            timeline: bool = False, l2_prefetch_mb: str = "0") -> dict:
-    os.environ["EPD_L2_PREFETCH_MB"] = l2_prefetch_mb   # read as the engine builds its layer ops
+            timeline: bool = False) -> dict:
     engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=max(8192, batch * context),
                                                    max_num_seqs=batch + 1, kv_cache_bytes=8 << 30,
                                                    fast_decode=True, fast_mixed=False, decode_matmul="triton",
@@ -145,12 +143,7 @@ def main() -> int:
     p.add_argument("--pdl-max-batch", type=int, default=None,
                    help="decode buckets up to this many rows use PDL in the pdl way "
                         "(default: the engine's, decode_graphs.DEPENDENT_LAUNCH_MAX_BATCH)")
-    p.add_argument("--l2-prefetch-mb", default="",
-                   help="comma-separated sizes: a way each, pdl with the next projection's weight prefetched into "
-                        "L2 when at most that many MB (pipeline/kernels/l2_prefetch.py)")
     args = p.parse_args()
-    ways = {way: (on, "0") for way, on in WAYS.items()}
-    ways.update({f"pdl-l2-{mb}": (True, mb) for mb in args.l2_prefetch_mb.split(",") if mb})
     if args.pdl_max_batch is not None:
         decode_graphs.DEPENDENT_LAUNCH_MAX_BATCH = args.pdl_max_batch
     device = torch.device("cuda:0")
@@ -169,9 +162,9 @@ def main() -> int:
     runs: dict = {}
     for r in range(args.rounds):
         for batch in [int(b) for b in args.batches.split(",")]:
-            for way, (on, mb) in ways.items():
+            for way, on in WAYS.items():
                 got = run_way(model, tokenizer, device, on, batch, args.context, args.steps,
-                              timeline=args.timeline and r == 0, l2_prefetch_mb=mb)
+                              timeline=args.timeline and r == 0)
                 if "timeline" in got:
                     report.setdefault("timeline", {}).setdefault(f"batch{batch}", {})[way] = got.pop("timeline")
                 torch.cuda.empty_cache()
@@ -190,10 +183,8 @@ def main() -> int:
                         for what in ("step_ms", "steady_step_ms", "replay_ms")}
             row[way]["tokens_equal_off"] = same
         for what in ("step_ms", "steady_step_ms", "replay_ms"):
-            for way in ways:
-                if way != "off":
-                    row[way][f"{what}_over_off"] = row[way][what] / row["off"][what]
-        for way in ways:
+            row["pdl"][f"{what}_over_off"] = row["pdl"][what] / row["off"][what]
+        for way in WAYS:
             row[way]["step_vs_floor"] = row[way]["step_ms"] / report["floor_ms"]
             row[way]["steady_step_vs_floor"] = row[way]["steady_step_ms"] / report["floor_ms"]
         summary[key] = row

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.kernels.activation import silu_mul
-from pipeline.kernels import l2_prefetch
 from pipeline.kernels.gemv import beats_cublas, gemv
 from pipeline.kernels.rmsnorm import add_rms_norm
 from pipeline.kernels.vision_rotary import rotate_qk_
@@ -23,7 +22,6 @@ class TritonLayerOps(LayerOps):
 
     def __init__(self, use_gemv: bool = False) -> None:
         self.use_gemv = use_gemv
-        self.prefetch_limit = l2_prefetch.max_bytes() if use_gemv else 0
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
                      norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,8 +35,5 @@ class TritonLayerOps(LayerOps):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.use_gemv and beats_cublas(x.shape[:-1].numel(), weight.shape[0]):
-            out = gemv(x, weight, bias)
-            if self.prefetch_limit and (follower := l2_prefetch.ORDER.after(weight, self.prefetch_limit)) is not None:
-                l2_prefetch.prefetch(follower)
-            return out
+            return gemv(x, weight, bias)
         return F.linear(x, weight, bias)
