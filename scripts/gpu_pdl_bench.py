@@ -11,7 +11,8 @@ interleaved over rounds (machines drift):
             launched with PDL, each waiting at its top.
 (A third way, each gemv program prefetching its first weight lines into L2
 before its wait, measured no better than pdl and was dropped: commit
-24244a8 has it.)
+24244a8 has it. A fourth, a PDL kernel after each gemv prefetching the next
+short projection's whole weight into L2, measured slower: commit 77e6395.)
 For each way and batch: the median engine step with the GPU drained before
 and after each, the mean step of as many run back to back (as a server runs
 them: decode ahead overlaps a step's host work with the last one's kernels),
