@@ -37,6 +37,43 @@ def test_plan_groups_by_length_and_rejects_other_sizes():
         segment_attention(torch.zeros(13, 3, 1, 4), plan, 1.0)
 
 
+def test_segments_read_through_rows_slice_where_consecutive_and_gather_elsewhere():
+    seqlens = [4, 2, 4, 3]
+    # The 4s side by side from row 4, the 2 at rows 0-1, the 3 scattered.
+    perm = torch.tensor([4, 5, 6, 7, 0, 1, 8, 9, 10, 11, 2, 3, 12])
+    plan = plan_segments(seqlens, torch.device("cpu"), perm)
+    assert [(g.length, g.index is None, g.start) for g in plan.groups] == [(4, True, 4), (2, True, 0), (3, False, 0)]
+    assert plan.groups[2].index.tolist() == [2, 3, 12]
+    qkv = torch.randn(13, 3, 2, 8, generator=torch.Generator().manual_seed(3))
+    got = segment_attention(qkv, plan, 0.5)
+    want = torch.empty_like(got)
+    want[perm] = per_segment(qkv[perm], seqlens, 0.5)   # the sequence's token i is row perm[i]
+    torch.testing.assert_close(got, want)
+
+
+def test_all_slices_come_back_in_row_order():
+    seqlens = [3, 3, 5, 5, 2]
+    plan = plan_segments(seqlens, torch.device("cpu"))
+    assert all(g.index is None for g in plan.groups) and len(plan.groups) == 3
+    qkv = torch.randn(18, 3, 2, 8, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(segment_attention(qkv, plan, 0.5), per_segment(qkv, seqlens, 0.5))
+
+
+def test_qwen2_5_vl_windows_by_size_are_slices_and_frames_read_their_own_rows():
+    from pipeline.models.qwen2_5_vl.vision_layout import batch_layout, grid_layout
+
+    grids = [(1, 46, 46), (1, 20, 28), (1, 46, 46)]   # 640x640: windows of 64, 48 and 36 patches
+    layout = batch_layout(grids, 2, 4, torch.device("cpu"))
+    assert layout.window_seqlens == sorted(layout.window_seqlens, reverse=True)
+    windows = plan_segments(layout.window_seqlens, torch.device("cpu"))
+    assert len(windows.groups) > 1 and all(g.index is None for g in windows.groups)
+    # Read through frame_rows, the rows are each image's units in its own window order.
+    offsets = torch.tensor([0, 529, 669])
+    images_order = torch.cat([grid_layout(g, 2, 4).window_index + o for g, o in zip(grids, offsets)])
+    assert torch.equal(layout.window_index[layout.frame_rows[::4] // 4], images_order)
+    assert torch.equal(layout.window_index[layout.reverse_index], torch.arange(layout.window_index.numel()))
+
+
 def test_vision_graphs_only_on_cuda(caplog):
     """Off the GPU the encoder keeps its eager tower (with a warning) rather
     than failing to start; VisionGraphs itself refuses a CPU device."""

@@ -156,7 +156,8 @@ class VisionTower(nn.Module):
         layout = batch_layout(grids, self.cfg.spatial_merge_size, self.window_units, device)
         cos, sin = self._rotary(layout.positions, layout.window_index)
         return TowerPlan(layout.window_index, layout.reverse_index, cos, sin,
-                         plan_segments(layout.frame_seqlens, device), plan_segments(layout.window_seqlens, device),
+                         plan_segments(layout.frame_seqlens, device, layout.frame_rows),
+                         plan_segments(layout.window_seqlens, device),
                          tuple(layout.units_per_image))
 
     def forward(self, pixel_values: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
