@@ -9,9 +9,12 @@ interleaved over rounds (machines drift):
   off       plain launches (main before PDL);
   pdl       the fused kernels of decode buckets up to --pdl-max-batch rows
             launched with PDL, each waiting at its top.
-(A third way, each gemv program prefetching its first weight lines into L2
+With --silu-apart a third way runs pdl with the MLP's SiLU * up as its own
+kernel after gate_up (main before gemv_silu_mul fused it into gate_up's
+epilogue); its tokens must equal off's too (the two round alike).
+(Another way, each gemv program prefetching its first weight lines into L2
 before its wait, measured no better than pdl and was dropped: commit
-24244a8 has it. A fourth, a PDL kernel after each gemv prefetching the next
+24244a8 has it. Another, a PDL kernel after each gemv prefetching the next
 short projection's whole weight into L2, measured slower: commit 77e6395.)
 For each way and batch: the median engine step with the GPU drained before
 and after each, the mean step of as many run back to back (as a server runs
@@ -29,6 +32,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -39,6 +43,8 @@ import torch  # noqa: E402
 from pipeline.engine import decode_graphs  # noqa: E402
 from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
 from pipeline.kernels import dependent_launch  # noqa: E402
+from pipeline.kernels.ops import TritonLayerOps  # noqa: E402
+from pipeline.models.layers import LayerOps  # noqa: E402
 from pipeline.models.shapes import random_model  # noqa: E402
 from pipeline.models.tiny import default_model_dir  # noqa: E402
 from pipeline.processing.processor import MultimodalPrompt  # noqa: E402
@@ -47,6 +53,20 @@ from pipeline.sampling_params import SamplingParams  # noqa: E402
 from gpu_decode_speed import _median_ms, copy_bandwidth  # noqa: E402
 
 WAYS = {"off": False, "pdl": True}
+SILU_APART = "pdl-silu-apart"
+
+
+@contextmanager
+def silu_apart(on: bool):
+    """The MLP's activation as its own kernel (LayerOps' unfused
+    gated_linear) while the engine is built, captured and run."""
+    fused = TritonLayerOps.gated_linear
+    if on:
+        TritonLayerOps.gated_linear = LayerOps.gated_linear
+    try:
+        yield
+    finally:
+        TritonLayerOps.gated_linear = fused
 
 
 def replay_device_ms(graph, replays: int = 100) -> float:
@@ -141,6 +161,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--timeline", action="store_true",
                    help="also profile one replay per way and batch in the first round (kernel times, exposed)")
+    p.add_argument("--silu-apart", action="store_true",
+                   help=f"also run the {SILU_APART} way: pdl with SiLU * up as its own kernel")
     p.add_argument("--pdl-max-batch", type=int, default=None,
                    help="decode buckets up to this many rows use PDL in the pdl way "
                         "(default: the engine's, decode_graphs.DEPENDENT_LAUNCH_MAX_BATCH)")
@@ -161,11 +183,13 @@ def main() -> int:
     report["floor_ms"] = lm_bytes / copy_bandwidth(device) * 1000
     tokenizer = Tokenizer.from_checkpoint(default_model_dir())
     runs: dict = {}
+    chosen = {**WAYS, SILU_APART: True} if args.silu_apart else WAYS
     for r in range(args.rounds):
         for batch in [int(b) for b in args.batches.split(",")]:
-            for way, on in WAYS.items():
-                got = run_way(model, tokenizer, device, on, batch, args.context, args.steps,
-                              timeline=args.timeline and r == 0)
+            for way, on in chosen.items():
+                with silu_apart(way == SILU_APART):
+                    got = run_way(model, tokenizer, device, on, batch, args.context, args.steps,
+                                  timeline=args.timeline and r == 0)
                 if "timeline" in got:
                     report.setdefault("timeline", {}).setdefault(f"batch{batch}", {})[way] = got.pop("timeline")
                 torch.cuda.empty_cache()
@@ -185,7 +209,9 @@ def main() -> int:
             row[way]["tokens_equal_off"] = same
         for what in ("step_ms", "steady_step_ms", "replay_ms"):
             row["pdl"][f"{what}_over_off"] = row["pdl"][what] / row["off"][what]
-        for way in WAYS:
+            if SILU_APART in row:
+                row["pdl"][f"{what}_over_silu_apart"] = row["pdl"][what] / row[SILU_APART][what]
+        for way in ways:
             row[way]["step_vs_floor"] = row[way]["step_ms"] / report["floor_ms"]
             row[way]["steady_step_vs_floor"] = row[way]["steady_step_ms"] / report["floor_ms"]
         summary[key] = row

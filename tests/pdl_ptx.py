@@ -6,7 +6,8 @@ tests import triton with its interpreter on, and interpreted kernels cannot
 be compiled.
 
 A kernel found with USE_GDC but missing from SPECS is reported as such, so
-a new PDL kernel cannot skip the check.
+a new PDL kernel cannot skip the check. "name:variant" entries compile the
+same kernel again with other constexprs.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ SPECS = {
                                            NUM_SPLITS=4, BLOCK_G=16, BLOCK_D=128, BLOCK_N=32, PRECISION="tf32"),
     "decode_attention._merge_kernel": dict(HEADS=16, HEAD_DIM=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128),
     "gemv._gemv_kernel": dict(HAS_BIAS=True, MODE=0, SPLIT_K=1, EVEN_K=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512,
-                              PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4),
+                              PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4, GATED=False),
+    # The gated MLP's epilogue (gemv_silu_mul), at gate_up's config.
+    "gemv._gemv_kernel:gated": dict(HAS_BIAS=False, MODE=2, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=64,
+                                    BLOCK_K=128, PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4, GATED=True),
     "gemv._split_sum_kernel": dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),
 }
 FLOAT_ARGS = {"eps", "scale"}
@@ -75,22 +79,27 @@ def where(ptx: list[str], pattern: str) -> int | None:
 
 def main() -> int:
     report = {}
-    for name, fn in pdl_kernels().items():
-        if name not in SPECS:
-            report[name] = {"error": "no entry in tests/pdl_ptx.py SPECS"}
-            continue
-        constexprs = dict(SPECS[name], USE_GDC=True)
-        kernel = triton.compile(ASTSource(fn, signature(fn, constexprs), constexprs),
-                                target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4, "launch_pdl": True})
-        ptx = kernel.asm["ptx"].splitlines()
-        first_memory = next((i for i, line in enumerate(ptx) if re.search(r"\b(ld\.global|st\.global|cp\.async|"
-                                                                          r"atom\.|red\.global)", line)), None)
-        report[name] = {"wait": where(ptx, "griddepcontrol.wait"),
-                        "release": where(ptx, "griddepcontrol.launch_dependents"),
-                        "first_memory": first_memory, "launch_pdl": bool(kernel.metadata.launch_pdl)}
+    for kernel_name, fn in pdl_kernels().items():
+        if kernel_name not in SPECS:
+            report[kernel_name] = {"error": "no entry in tests/pdl_ptx.py SPECS"}
+        for name in [key for key in SPECS if key.split(":")[0] == kernel_name]:
+            report[name] = compiled(fn, SPECS[name])
     json.dump(report, sys.stdout)
     return 0
+
+
+def compiled(fn, spec: dict) -> dict:
+    """Where the wait, the release and the first memory access fall in fn's PTX."""
+    constexprs = dict(spec, USE_GDC=True)
+    kernel = triton.compile(ASTSource(fn, signature(fn, constexprs), constexprs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "launch_pdl": True})
+    ptx = kernel.asm["ptx"].splitlines()
+    first_memory = next((i for i, line in enumerate(ptx) if re.search(r"\b(ld\.global|st\.global|cp\.async|"
+                                                                      r"atom\.|red\.global)", line)), None)
+    return {"wait": where(ptx, "griddepcontrol.wait"),
+            "release": where(ptx, "griddepcontrol.launch_dependents"),
+            "first_memory": first_memory, "launch_pdl": bool(kernel.metadata.launch_pdl)}
 
 
 if __name__ == "__main__":

@@ -23,17 +23,20 @@ from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
 
 @pytest.fixture
 def gemv_calls(monkeypatch):
-    """Counts the gemv launches of TritonLayerOps (the real kernel still runs)."""
+    """Counts the gemv launches of TritonLayerOps, plain and gated (the MLP's
+    gate_up with its SiLU epilogue); the real kernels still run."""
     from pipeline.kernels import ops
 
     calls = []
 
-    def counted(x, weight, bias=None):
-        calls.append(tuple(x.shape))
-        return ops_gemv(x, weight, bias)
+    def counting(kernel):
+        def counted(x, weight, bias=None):
+            calls.append(tuple(x.shape))
+            return kernel(x, weight, bias)
+        return counted
 
-    ops_gemv = ops.gemv
-    monkeypatch.setattr(ops, "gemv", counted)
+    monkeypatch.setattr(ops, "gemv", counting(ops.gemv))
+    monkeypatch.setattr(ops, "gemv_silu_mul", counting(ops.gemv_silu_mul))
     return calls
 
 

@@ -1,7 +1,8 @@
 """The small-M matmul kernel (pipeline/kernels/gemv.py) against F.linear, run
 on the CPU by Triton's interpreter: every multiply mode, split-K with uneven
 and empty splits, K and N that are not multiples of the tile, with and
-without bias. Speed is scripts/gpu_gemv_bench.py's business, on a GPU.
+without bias; and the gated epilogue (gemv_silu_mul) against gemv then
+silu_mul. Speed is scripts/gpu_gemv_bench.py's business, on a GPU.
 
 Skipped where triton is not installed (CI).
 """
@@ -22,7 +23,9 @@ if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("triton was imported without its interpreter; run this file alone", allow_module_level=True)
 # Set before triton's first import, which fixes interpreter-or-compiler (see test_kernels.py).
 os.environ["TRITON_INTERPRET"] = "1"
-from pipeline.kernels.gemv import GemvConfig, default_config, gemv, gemv_reference  # noqa: E402
+from pipeline.kernels.activation import silu_mul  # noqa: E402
+from pipeline.kernels.gemv import GemvConfig, default_config, gemv, gemv_reference, gemv_silu_mul  # noqa: E402
+from pipeline.kernels.ops import TritonLayerOps  # noqa: E402
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
              torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
@@ -116,3 +119,39 @@ def test_mismatched_operands_rejected():
         gemv(x, weight, bias[:4])
     with pytest.raises(ValueError, match="K contiguous"):
         gemv(x, weight.t().contiguous().t())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_gated_epilogue_is_gemv_then_silu_mul(M, dtype, with_bias, name):
+    """Bit for bit: the epilogue rounds the projection to the dtype before
+    the SiLU, as the stored output silu_mul reads; 37 outputs leave the last
+    tile partial. Split-K configs take the two-kernel way."""
+    x, weight, bias = operands(M, 2 * 37, 200, dtype, with_bias, seed=M)
+    got = gemv_silu_mul(x, weight, bias, CONFIGS[name])
+    want = silu_mul(gemv(x, weight, bias, CONFIGS[name]))
+    assert got.shape == (M, 37) and got.dtype == dtype
+    assert torch.equal(got, want)
+
+
+def test_gated_default_config_and_layouts():
+    x, weight, _ = operands(2, 2 * 48, 96, torch.bfloat16, False, seed=4)
+    want = silu_mul(gemv(x, weight))
+    assert torch.equal(gemv_silu_mul(x, weight), want)
+    assert torch.equal(gemv_silu_mul(x.view(1, 2, 96), weight), want.view(1, 2, 48))
+    with pytest.raises(ValueError, match="2 \\* hidden"):
+        gemv_silu_mul(x, weight[:95])
+
+
+def test_layer_ops_fuse_the_gate_only_where_gemv_runs():
+    """TritonLayerOps.gated_linear: gemv_silu_mul at few rows with use_gemv,
+    F.linear then silu_mul otherwise; the same values either way."""
+    x, weight, _ = operands(1, 2 * 48, 96, torch.bfloat16, False, seed=5)
+    fused, plain = TritonLayerOps(use_gemv=True), TritonLayerOps(use_gemv=False)
+    assert torch.equal(fused.gated_linear(x, weight), silu_mul(gemv(x, weight)))
+    torch.testing.assert_close(plain.gated_linear(x, weight).float(), fused.gated_linear(x, weight).float(),
+                               **TOLERANCE[torch.bfloat16])
+    many = operands(64, 96, 96, torch.bfloat16, False, seed=6)[0]
+    assert torch.equal(fused.gated_linear(many, weight), silu_mul(F.linear(many, weight)))

@@ -110,3 +110,18 @@ def wait_then_release(USE_GDC: tl.constexpr):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_only(USE_GDC: tl.constexpr):
+    """wait_then_release's first half, for a kernel that releases later
+    (release_dependents): its successor's programs, waiting, would hold SM
+    slots that this grid's later programs need."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def release_dependents(USE_GDC: tl.constexpr):
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()

@@ -15,6 +15,12 @@ How the tile is multiplied is a config choice (GemvConfig.mode):
   "reduce" - FMA, then summed over K every iteration (warp shuffles per
              tile; registers stay at [M, BLOCK_N]).
   "dot"    - tl.dot on tensor cores, x padded to 16 rows; scales to larger M.
+gemv_silu_mul fuses the gated MLP's activation into the epilogue: weight
+[2H, K] holds gate rows then up rows (GatedMLP.fuse); a program streams the
+gate and up rows of the same outputs interleaved in one tile, so the tile's
+sums pair up and silu(gate) * up is written directly ([M, H]), one kernel
+and no [M, 2H] intermediate. It rounds as gemv then silu_mul would.
+
 Split-K (split_k > 1) cuts K over programs for shapes with too few row
 blocks to fill the GPU; each split writes float32 partials and a second
 kernel sums them, adds the bias and casts (two launches, deterministic, no
@@ -32,7 +38,8 @@ import triton
 import triton.language as tl
 
 from pipeline.kernels import interpreting, next_power_of_2
-from pipeline.kernels.dependent_launch import launch_options, wait_then_release
+from pipeline.kernels.activation import silu_mul
+from pipeline.kernels.dependent_launch import launch_options, release_dependents, wait_only, wait_then_release
 
 MODES = ("defer", "reduce", "dot")
 _MODE_ID = {name: i for i, name in enumerate(MODES)}
@@ -110,15 +117,32 @@ def beats_cublas(M: int, N: int) -> bool:
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split, x_stride, w_stride,
                  HAS_BIAS: tl.constexpr, MODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 UPCAST_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, USE_GDC: tl.constexpr):
+                 UPCAST_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, USE_GDC: tl.constexpr,
+                 GATED: tl.constexpr = False):
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    m_mask, n_mask = rm < M, rn < N
+    if GATED:
+        # Tile row j is output column pid_n * BLOCK_N / 2 + j // 2: its gate
+        # row for even j, its up row (N rows further) for odd j. N here is
+        # the output width, half the weight's rows.
+        tl.static_assert(SPLIT_K == 1)
+        j = tl.arange(0, BLOCK_N)
+        out_col = pid_n * (BLOCK_N // 2) + j // 2
+        rn = out_col + (j % 2) * N
+        n_mask = out_col < N
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+    m_mask = rm < M
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    wait_then_release(USE_GDC)
+    # Gated, the next kernel is the down projection: released at the top,
+    # its waiting programs would take SM slots from this grid's later
+    # programs, so it is released after the loop instead.
+    wait_only(USE_GDC)
+    if not GATED:
+        release_dependents(USE_GDC)
     x_ptrs = x_ptr + rm[:, None] * x_stride + (k_start + rk)[None, :]
     # int64 row offsets: a weight past 2**31 elements must not wrap.
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * w_stride + (k_start + rk)[None, :]
@@ -145,15 +169,33 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if GATED:
+        release_dependents(USE_GDC)
     if MODE == 0:
         acc = tl.sum(acc3, axis=2)
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        if GATED:
+            _store_silu_mul(acc, out_ptr, rm, m_mask, pid_n, N, BLOCK_M, BLOCK_N)
+        else:
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.store(part_ptr + (split * M + rm)[:, None] * N + rn[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _store_silu_mul(acc, out_ptr, rm, m_mask, pid_n, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The gated epilogue: acc's interleaved (gate, up) columns -> silu(gate)
+    * up, rounded as silu_mul rounds the projection's stored output."""
+    dtype = out_ptr.dtype.element_ty
+    pairs = tl.reshape(acc.to(dtype).to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2))
+    gate, up = tl.split(pairs)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    mask = m_mask[:, None] & (cols < N)[None, :]
+    tl.store(out_ptr + rm[:, None] * N + cols[None, :], (act * up).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -184,43 +226,72 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
                          f"[{weight.shape[0]}] {x.dtype}")
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K] with few rows (flattened to M);
-    returns [..., N] in x's dtype. `config` defaults to default_config."""
-    _check(x, weight, bias)
-    N, K = weight.shape
+def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
     x2 = x.reshape(-1, K)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
-    cfg = config or default_config(M, N, K)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
+            out: torch.Tensor, gated: bool) -> None:
+    """One gemv into out [M, N] (gated: N = weight rows / 2, see gemv_silu_mul)."""
+    M, (rows, K) = x2.shape[0], weight.shape
+    N = rows // 2 if gated else rows
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.block_k), cfg.split_k) * cfg.block_k
     part = out
     if cfg.split_k > 1:
-        part = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
+        part = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x2.device)
     block_m = next_power_of_2(M)
     if cfg.mode == "dot":
         block_m = max(_DOT_MIN, block_m)
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight  # never read without HAS_BIAS
     pdl = launch_options()
-    _gemv_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
+    _gemv_kernel[(triton.cdiv(rows, cfg.block_n), cfg.split_k)](
         x2, weight, bias_arg, out, part, M, N, K, k_per_split, x2.stride(0), weight.stride(0),
         HAS_BIAS=has_bias, MODE=_MODE_ID[cfg.mode], SPLIT_K=cfg.split_k, EVEN_K=K == k_per_split * cfg.split_k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         # Triton's interpreter multiplies bf16 (kept as uint16) bit patterns in
         # tl.dot; products of bf16 values are exact in float32, so upcasting
         # there computes what the GPU's bf16 dot does.
-        UPCAST_DOT=interpreting() and x.dtype == torch.bfloat16,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+        UPCAST_DOT=interpreting() and x2.dtype == torch.bfloat16,
+        NUM_STAGES=cfg.num_stages, GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if cfg.split_k > 1:
         block = 1024
         _split_sum_kernel[(M, triton.cdiv(N, block))](part, bias_arg, out, M, N, HAS_BIAS=has_bias,
                                                       SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4, **pdl)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] with few rows (flattened to M);
+    returns [..., N] in x's dtype. `config` defaults to default_config."""
+    _check(x, weight, bias)
+    N, K = weight.shape
+    x2 = _rows(x, K)
+    cfg = config or default_config(x2.shape[0], N, K)
+    out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
+    _launch(x2, weight, bias, cfg, out, gated=False)
     return out.reshape(*x.shape[:-1], N)
+
+
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: GemvConfig | None = None) -> torch.Tensor:
+    """silu(gate) * up of the fused projection F.linear(x, weight, bias),
+    weight [2H, K] gate rows then up rows: returns [..., H], what
+    silu_mul(gemv(x, weight, bias)) returns, in one kernel. A split-K config
+    (whose partials meet in a second kernel) runs as those two calls."""
+    _check(x, weight, bias)
+    rows, K = weight.shape
+    if rows % 2:
+        raise ValueError(f"gemv_silu_mul wants weight [2 * hidden, K], got {tuple(weight.shape)}")
+    x2 = _rows(x, K)
+    cfg = config or default_config(x2.shape[0], rows, K)
+    if cfg.split_k > 1 or cfg.block_n < 2:
+        return silu_mul(gemv(x2, weight, bias, cfg)).reshape(*x.shape[:-1], rows // 2)
+    out = torch.empty((x2.shape[0], rows // 2), dtype=x.dtype, device=x.device)
+    _launch(x2, weight, bias, cfg, out, gated=True)
+    return out.reshape(*x.shape[:-1], rows // 2)
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

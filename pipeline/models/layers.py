@@ -51,6 +51,12 @@ class LayerOps(ABC):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[rows, 2 * hidden] (gate then up) -> silu(gate) * up."""
 
+    def gated_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """silu_mul(linear(x, weight, bias)), weight [2 * hidden, in] gate rows
+        then up rows; an implementation may fuse the two (by shape only, as
+        linear chooses)."""
+        return self.silu_mul(self.linear(x, weight, bias))
+
     def rotate_qk_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The vision tower's rotary: q and k of a packed [tokens, 3, heads,
         head_dim] qkv rotated in place, in float32 (cos/sin float32 [tokens,
@@ -105,7 +111,7 @@ class GatedMLP(nn.Module):
     def forward_fused(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         if self.gate_up is None:
             return self.forward(x)
-        return ops.linear(ops.silu_mul(ops.linear(x, *self.gate_up)), *self.down)
+        return ops.linear(ops.gated_linear(x, *self.gate_up), *self.down)
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
