@@ -18,6 +18,11 @@ Ordering stays transitive only if every kernel launched with PDL waits
 before it completes: then kernel n+1 cannot finish before kernel n has, so
 a kernel two launches later still sees everything written before it. So
 each PDL kernel here waits unconditionally, at its top (`wait_then_release`).
+Most release their successor right after that wait; a kernel followed by
+another heavy one releases late (`wait_only`, then `release_dependents`
+after its main loop), or the successor's waiting programs take SM slots
+its own later programs need: the gated gemv released early measured 17.6%
+slower at batch 1 (docs/benchmarks.md, session 23).
 
 Where: the decode graphs of small batches (`launching`, around their
 capture), where a step is hundreds of kernels of a few microseconds. From
