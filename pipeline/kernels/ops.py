@@ -43,7 +43,7 @@ class TritonLayerOps(LayerOps):
         # kernel instead of two in every decode layer's MLP.
         if self._gemv_for(x, weight):
             return gemv_silu_mul(x, weight, bias)
-        return silu_mul(F.linear(x, weight, bias))
+        return super().gated_linear(x, weight, bias)
 
     def _gemv_for(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return self.use_gemv and beats_cublas(x.shape[:-1].numel(), weight.shape[0])
