@@ -11,7 +11,9 @@ interleaved over rounds (machines drift):
             launched with PDL, each waiting at its top.
 With --silu-apart a third way runs pdl with the MLP's SiLU * up as its own
 kernel after gate_up (main before gemv_silu_mul fused it into gate_up's
-epilogue); its tokens must equal off's too (the two round alike).
+epilogue); its tokens must equal off's too (the two round alike). With
+--merge-apart another runs pdl with decode attention's split-K partials
+merged by their own kernel (main before the last split merged them).
 (Another way, each gemv program prefetching its first weight lines into L2
 before its wait, measured no better than pdl and was dropped: commit
 24244a8 has it. Another, a PDL kernel after each gemv prefetching the next
@@ -42,7 +44,7 @@ import torch  # noqa: E402
 
 from pipeline.engine import decode_graphs  # noqa: E402
 from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
-from pipeline.kernels import dependent_launch  # noqa: E402
+from pipeline.kernels import decode_attention, dependent_launch  # noqa: E402
 from pipeline.kernels.ops import TritonLayerOps  # noqa: E402
 from pipeline.models.layers import LayerOps  # noqa: E402
 from pipeline.models.shapes import random_model  # noqa: E402
@@ -54,6 +56,7 @@ from gpu_decode_speed import _median_ms, copy_bandwidth  # noqa: E402
 
 WAYS = {"off": False, "pdl": True}
 SILU_APART = "pdl-silu-apart"
+MERGE_APART = "pdl-merge-apart"
 
 
 @contextmanager
@@ -67,6 +70,19 @@ def silu_apart(on: bool):
         yield
     finally:
         TritonLayerOps.gated_linear = fused
+
+
+@contextmanager
+def merge_apart(on: bool):
+    """Decode attention's partials merged by the merge kernel (no split
+    counters for the decode graphs) while the engine is built and run."""
+    made = decode_attention.split_counters
+    if on:
+        decode_attention.split_counters = lambda *args: None
+    try:
+        yield
+    finally:
+        decode_attention.split_counters = made
 
 
 def replay_device_ms(graph, replays: int = 100) -> float:
@@ -163,6 +179,8 @@ def main() -> int:
                    help="also profile one replay per way and batch in the first round (kernel times, exposed)")
     p.add_argument("--silu-apart", action="store_true",
                    help=f"also run the {SILU_APART} way: pdl with SiLU * up as its own kernel")
+    p.add_argument("--merge-apart", action="store_true",
+                   help=f"also run the {MERGE_APART} way: pdl with attention's merge as its own kernel")
     p.add_argument("--pdl-max-batch", type=int, default=None,
                    help="decode buckets up to this many rows use PDL in the pdl way "
                         "(default: the engine's, decode_graphs.DEPENDENT_LAUNCH_MAX_BATCH)")
@@ -183,11 +201,12 @@ def main() -> int:
     report["floor_ms"] = lm_bytes / copy_bandwidth(device) * 1000
     tokenizer = Tokenizer.from_checkpoint(default_model_dir())
     runs: dict = {}
-    chosen = {**WAYS, SILU_APART: True} if args.silu_apart else WAYS
+    apart = [way for way, wanted in ((SILU_APART, args.silu_apart), (MERGE_APART, args.merge_apart)) if wanted]
+    chosen = {**WAYS, **{way: True for way in apart}}
     for r in range(args.rounds):
         for batch in [int(b) for b in args.batches.split(",")]:
             for way, on in chosen.items():
-                with silu_apart(way == SILU_APART):
+                with silu_apart(way == SILU_APART), merge_apart(way == MERGE_APART):
                     got = run_way(model, tokenizer, device, on, batch, args.context, args.steps,
                                   timeline=args.timeline and r == 0)
                 if "timeline" in got:
@@ -209,8 +228,9 @@ def main() -> int:
             row[way]["tokens_equal_off"] = same
         for what in ("step_ms", "steady_step_ms", "replay_ms"):
             row["pdl"][f"{what}_over_off"] = row["pdl"][what] / row["off"][what]
-            if SILU_APART in row:
-                row["pdl"][f"{what}_over_silu_apart"] = row["pdl"][what] / row[SILU_APART][what]
+            for way in apart:
+                row["pdl"][f"{what}_over_{way.removeprefix('pdl-').replace('-', '_')}"] = \
+                    row["pdl"][what] / row[way][what]
         for way in ways:
             row[way]["step_vs_floor"] = row[way]["step_ms"] / report["floor_ms"]
             row[way]["steady_step_vs_floor"] = row[way]["steady_step_ms"] / report["floor_ms"]
