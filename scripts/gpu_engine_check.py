@@ -133,7 +133,39 @@ def kernel_equality(device: torch.device) -> dict:
                          ("one_split", (1, 1024))):
         got = decode_attention.paged_decode_attention(q, *caches, tables, lengths, 16, *splits)
         out[f"paged_attention_{name}"] = dict(_compare(got, want), splits=splits[0])
+        merged = decode_attention.paged_decode_attention(
+            q, *caches, tables, lengths, 16, *splits, counters=decode_attention.split_counters(6, 2, device))
+        out[f"paged_attention_{name}_merged_in_kernel"] = _same(merged, got)
     out.update(unified_equality(device, _compare))
+    out.update(gemv_rotary_equality(device, randn))
+    return out
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> dict:
+    """A fused kernel that must round as the kernels it replaces: bit for bit."""
+    return {"max_abs_diff": (got.float() - want.float()).abs().max().item(), "ok": torch.equal(got, want)}
+
+
+def gemv_rotary_equality(device: torch.device, randn) -> dict:
+    """gemv_rotary_kv against gemv then rotary_kv_write at the 3B q/k/v
+    shape, 1 and 2 rows, bf16: q and both caches bit for bit."""
+    from pipeline.kernels import gemv, gemv_rotary, rotary_kv
+
+    out = {}
+    weight, bias = randn(2560, 2048) * 0.02, randn(2560)
+    for rows in (1, 2):
+        x = randn(rows, 2048)
+        angles = torch.rand(rows, 64, device=device) * 500
+        angles = torch.cat([angles, angles], -1)
+        cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+        slots = torch.randperm(9600, device=device)[:rows]
+        caches = [randn(9600, 2, 128) for _ in range(2)]
+        mine, theirs = [c.clone() for c in caches], [c.clone() for c in caches]
+        q = gemv_rotary.gemv_rotary_kv(x, weight, bias, cos, sin, 16, *mine, slots)
+        qkv = gemv.gemv(x, weight, bias).view(rows, 20, 128)
+        want_q = rotary_kv.rotary_kv_write(qkv, cos, sin, 16, *theirs, slots)
+        out[f"gemv_rotary_q_{rows}"] = _same(q, want_q)
+        out[f"gemv_rotary_caches_{rows}"] = _same(torch.stack(mine), torch.stack(theirs))
     return out
 
 

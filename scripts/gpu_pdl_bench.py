@@ -9,11 +9,15 @@ interleaved over rounds (machines drift):
   off       plain launches (main before PDL);
   pdl       the fused kernels of decode buckets up to --pdl-max-batch rows
             launched with PDL, each waiting at its top.
-With --silu-apart a third way runs pdl with the MLP's SiLU * up as its own
-kernel after gate_up (main before gemv_silu_mul fused it into gate_up's
-epilogue); its tokens must equal off's too (the two round alike). With
---merge-apart another runs pdl with decode attention's split-K partials
-merged by their own kernel (main before the last split merged them).
+Each --apart name adds a way that runs pdl with one fusion undone, main
+before it (its tokens must equal off's too: each fusion rounds as the
+kernels it replaced):
+  silu    the MLP's SiLU * up as its own kernel after gate_up (before
+          gemv_silu_mul fused it into gate_up's epilogue);
+  rotary  rotary + K/V write as its own kernel after the q/k/v gemv
+          (before gemv_rotary_kv fused them);
+  merge   decode attention's split-K partials merged by their own kernel
+          (before the last split merged them).
 (Another way, each gemv program prefetching its first weight lines into L2
 before its wait, measured no better than pdl and was dropped: commit
 24244a8 has it. Another, a PDL kernel after each gemv prefetching the next
@@ -46,6 +50,8 @@ from pipeline.engine import decode_graphs  # noqa: E402
 from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
 from pipeline.kernels import decode_attention, dependent_launch  # noqa: E402
 from pipeline.kernels.ops import TritonLayerOps  # noqa: E402
+from pipeline.kernels.paged_backend import TritonDecodeAttention  # noqa: E402
+from pipeline.models.attention import AttentionBackend  # noqa: E402
 from pipeline.models.layers import LayerOps  # noqa: E402
 from pipeline.models.shapes import random_model  # noqa: E402
 from pipeline.models.tiny import default_model_dir  # noqa: E402
@@ -55,34 +61,29 @@ from pipeline.sampling_params import SamplingParams  # noqa: E402
 from gpu_decode_speed import _median_ms, copy_bandwidth  # noqa: E402
 
 WAYS = {"off": False, "pdl": True}
-SILU_APART = "pdl-silu-apart"
-MERGE_APART = "pdl-merge-apart"
+# --apart name: (owner, attribute, what it is set to while that way runs).
+APART = {
+    "silu": (TritonLayerOps, "gated_linear", LayerOps.gated_linear),
+    "rotary": (TritonDecodeAttention, "attend_projected", AttentionBackend.attend_projected),
+    "merge": (decode_attention, "split_counters", lambda *args: None),
+}
 
 
 @contextmanager
-def silu_apart(on: bool):
-    """The MLP's activation as its own kernel (LayerOps' unfused
-    gated_linear) while the engine is built, captured and run."""
-    fused = TritonLayerOps.gated_linear
-    if on:
-        TritonLayerOps.gated_linear = LayerOps.gated_linear
+def undone(way: str):
+    """Way "pdl-<name>-apart": that fusion undone while the engine is built,
+    captured and run; any other way runs as main."""
+    name = way.removeprefix("pdl-").removesuffix("-apart")
+    if not way.endswith("-apart") or name not in APART:
+        yield
+        return
+    owner, attribute, stand_in = APART[name]
+    fused = getattr(owner, attribute)
+    setattr(owner, attribute, stand_in)
     try:
         yield
     finally:
-        TritonLayerOps.gated_linear = fused
-
-
-@contextmanager
-def merge_apart(on: bool):
-    """Decode attention's partials merged by the merge kernel (no split
-    counters for the decode graphs) while the engine is built and run."""
-    made = decode_attention.split_counters
-    if on:
-        decode_attention.split_counters = lambda *args: None
-    try:
-        yield
-    finally:
-        decode_attention.split_counters = made
+        setattr(owner, attribute, fused)
 
 
 def replay_device_ms(graph, replays: int = 100) -> float:
@@ -177,10 +178,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--timeline", action="store_true",
                    help="also profile one replay per way and batch in the first round (kernel times, exposed)")
-    p.add_argument("--silu-apart", action="store_true",
-                   help=f"also run the {SILU_APART} way: pdl with SiLU * up as its own kernel")
-    p.add_argument("--merge-apart", action="store_true",
-                   help=f"also run the {MERGE_APART} way: pdl with attention's merge as its own kernel")
+    p.add_argument("--apart", default="",
+                   help=f"comma-separated fusions, of {sorted(APART)}: each adds the way pdl-<name>-apart, "
+                        "pdl with that fusion undone")
     p.add_argument("--pdl-max-batch", type=int, default=None,
                    help="decode buckets up to this many rows use PDL in the pdl way "
                         "(default: the engine's, decode_graphs.DEPENDENT_LAUNCH_MAX_BATCH)")
@@ -201,12 +201,15 @@ def main() -> int:
     report["floor_ms"] = lm_bytes / copy_bandwidth(device) * 1000
     tokenizer = Tokenizer.from_checkpoint(default_model_dir())
     runs: dict = {}
-    apart = [way for way, wanted in ((SILU_APART, args.silu_apart), (MERGE_APART, args.merge_apart)) if wanted]
+    names = [name for name in args.apart.split(",") if name]
+    if set(names) - set(APART):
+        p.error(f"--apart: unknown {sorted(set(names) - set(APART))}; known {sorted(APART)}")
+    apart = [f"pdl-{name}-apart" for name in names]
     chosen = {**WAYS, **{way: True for way in apart}}
     for r in range(args.rounds):
         for batch in [int(b) for b in args.batches.split(",")]:
             for way, on in chosen.items():
-                with silu_apart(way == SILU_APART), merge_apart(way == MERGE_APART):
+                with undone(way):
                     got = run_way(model, tokenizer, device, on, batch, args.context, args.steps,
                                   timeline=args.timeline and r == 0)
                 if "timeline" in got:

@@ -44,6 +44,10 @@ SPECS = {
     "gemv._gemv_kernel:gated": dict(HAS_BIAS=False, MODE=2, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=64,
                                     BLOCK_K=128, PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4, GATED=True),
     "gemv._split_sum_kernel": dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),
+    # The q/k/v projection with rotary and the K/V write, at qkv's batch-1 config.
+    "gemv_rotary._gemv_rotary_kv_kernel": dict(HAS_BIAS=True, MODE=0, EVEN_K=True, BLOCK_M=1, BLOCK_N=4,
+                                               BLOCK_K=512, PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4,
+                                               HEADS=16, KV_HEADS=2, HEAD_DIM=128, HALF=64, PAIRS=2),
 }
 FLOAT_ARGS = {"eps", "scale"}
 FLOAT32_POINTERS = {"part_ptr", "acc_ptr", "stats_ptr"}

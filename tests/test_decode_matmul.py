@@ -23,20 +23,23 @@ from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
 
 @pytest.fixture
 def gemv_calls(monkeypatch):
-    """Counts the gemv launches of TritonLayerOps, plain and gated (the MLP's
-    gate_up with its SiLU epilogue); the real kernels still run."""
-    from pipeline.kernels import ops
+    """Counts the gemv launches, as (kernel, x's shape): TritonLayerOps' plain
+    and gated ones (the MLP's gate_up with its SiLU epilogue) and the decode
+    backend's q/k/v projection with rotary in its epilogue; the real kernels
+    still run."""
+    from pipeline.kernels import gemv_rotary, ops
 
     calls = []
 
     def counting(kernel):
-        def counted(x, weight, bias=None):
-            calls.append(tuple(x.shape))
-            return kernel(x, weight, bias)
+        def counted(x, weight, *rest):
+            calls.append((kernel.__name__, tuple(x.shape)))
+            return kernel(x, weight, *rest)
         return counted
 
     monkeypatch.setattr(ops, "gemv", counting(ops.gemv))
     monkeypatch.setattr(ops, "gemv_silu_mul", counting(ops.gemv_silu_mul))
+    monkeypatch.setattr(gemv_rotary, "gemv_rotary_kv", counting(gemv_rotary.gemv_rotary_kv))
     return calls
 
 
@@ -53,7 +56,7 @@ def test_linear_small_m_equals_f_linear(gemv_calls, dtype, with_bias, rows):
     got = TritonLayerOps(use_gemv=True).linear(x, weight, bias)
     assert got.shape == (rows, 72) and got.dtype == dtype
     close(got, F.linear(x, weight, bias))
-    assert gemv_calls == [(rows, 320)]
+    assert gemv_calls == [("gemv", (rows, 320))]
 
 
 def test_gemv_routing_follows_the_h200_measurements():
@@ -111,10 +114,14 @@ def test_engine_with_gemv_projections_equals_offline(tiny_dir, gemv_calls):
     assert outputs == expected
     assert engine.scheduler.block_pool.num_used == 0
     # Four projections per layer per decode step of 1-2 rows (the tiny
-    # model's outputs are all narrow: the 4-row bucket stays on F.linear).
+    # model's outputs are all narrow: the 4-row bucket stays on F.linear):
+    # q/k/v with the rotary, o_proj, gate_up with the SiLU, down.
     layers = model.cfg.text.num_hidden_layers
-    assert gemv_calls and len(gemv_calls) % (4 * layers) == 0
-    assert {shape[0] for shape in gemv_calls} <= {1, 2}
+    kinds = [kind for kind, _ in gemv_calls]
+    steps = kinds.count("gemv_rotary_kv") // layers
+    assert steps and len(gemv_calls) == 4 * layers * steps
+    assert kinds.count("gemv_silu_mul") == kinds.count("gemv_rotary_kv") == kinds.count("gemv") / 2
+    assert {shape[0] for _, shape in gemv_calls} <= {1, 2}
 
 
 def test_default_decode_matmul_is_cublas_off_cuda(tiny_dir):

@@ -42,7 +42,7 @@ from pipeline.kernels.activation import silu_mul
 from pipeline.kernels.dependent_launch import launch_options, release_dependents, wait_only, wait_then_release
 
 MODES = ("defer", "reduce", "dot")
-_MODE_ID = {name: i for i, name in enumerate(MODES)}
+MODE_IDS = {name: i for i, name in enumerate(MODES)}
 _DOT_MIN = 16  # tl.dot wants every extent >= 16
 _SMS = 132  # H200; only default_config's guesses depend on it
 
@@ -114,35 +114,13 @@ def beats_cublas(M: int, N: int) -> bool:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split, x_stride, w_stride,
-                 HAS_BIAS: tl.constexpr, MODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 UPCAST_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, USE_GDC: tl.constexpr,
-                 GATED: tl.constexpr = False):
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
+def stream_rows(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, k_end, x_stride, w_stride,
+                MODE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                NUM_STAGES: tl.constexpr):
+    """The main loop: x's rows rm times W's rows rn over K in [k_start,
+    k_end), summed in float32; returns [BLOCK_M, BLOCK_N]."""
     rk = tl.arange(0, BLOCK_K)
-    if GATED:
-        # Tile row j is output column pid_n * BLOCK_N / 2 + j // 2: its gate
-        # row for even j, its up row (N rows further) for odd j. N here is
-        # the output width, half the weight's rows.
-        tl.static_assert(SPLIT_K == 1)
-        j = tl.arange(0, BLOCK_N)
-        out_col = pid_n * (BLOCK_N // 2) + j // 2
-        rn = out_col + (j % 2) * N
-        n_mask = out_col < N
-    else:
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = rn < N
-    m_mask = rm < M
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    # Gated, the next kernel is the down projection: released at the top,
-    # its waiting programs would take SM slots from this grid's later
-    # programs, so it is released after the loop instead.
-    wait_only(USE_GDC)
-    if not GATED:
-        release_dependents(USE_GDC)
     x_ptrs = x_ptr + rm[:, None] * x_stride + (k_start + rk)[None, :]
     # int64 row offsets: a weight past 2**31 elements must not wrap.
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * w_stride + (k_start + rk)[None, :]
@@ -169,10 +147,44 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if GATED:
-        release_dependents(USE_GDC)
     if MODE == 0:
         acc = tl.sum(acc3, axis=2)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split, x_stride, w_stride,
+                 HAS_BIAS: tl.constexpr, MODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 UPCAST_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, USE_GDC: tl.constexpr,
+                 GATED: tl.constexpr = False):
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    if GATED:
+        # Tile row j is output column pid_n * BLOCK_N / 2 + j // 2: its gate
+        # row for even j, its up row (N rows further) for odd j. N here is
+        # the output width, half the weight's rows.
+        tl.static_assert(SPLIT_K == 1)
+        j = tl.arange(0, BLOCK_N)
+        out_col = pid_n * (BLOCK_N // 2) + j // 2
+        rn = out_col + (j % 2) * N
+        n_mask = out_col < N
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+    m_mask = rm < M
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # Gated, the next kernel is the down projection: released at the top,
+    # its waiting programs would take SM slots from this grid's later
+    # programs, so it is released after the loop instead.
+    wait_only(USE_GDC)
+    if not GATED:
+        release_dependents(USE_GDC)
+    acc = stream_rows(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, k_end, x_stride, w_stride,
+                      MODE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST_DOT, NUM_STAGES)
+    if GATED:
+        release_dependents(USE_GDC)
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -214,7 +226,7 @@ def _split_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N,
     tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"gemv wants weight [N, K] with K contiguous, got {tuple(weight.shape)} "
                          f"strides {weight.stride()}")
@@ -231,6 +243,12 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
+def tile_rows(M: int, cfg: GemvConfig) -> int:
+    """BLOCK_M for M rows: the next power of two, at least 16 for tl.dot."""
+    block_m = next_power_of_2(M)
+    return max(_DOT_MIN, block_m) if cfg.mode == "dot" else block_m
+
+
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
             out: torch.Tensor, gated: bool) -> None:
     """One gemv into out [M, N] (gated: N = weight rows / 2, see gemv_silu_mul)."""
@@ -240,15 +258,13 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     part = out
     if cfg.split_k > 1:
         part = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x2.device)
-    block_m = next_power_of_2(M)
-    if cfg.mode == "dot":
-        block_m = max(_DOT_MIN, block_m)
+    block_m = tile_rows(M, cfg)
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight  # never read without HAS_BIAS
     pdl = launch_options()
     _gemv_kernel[(triton.cdiv(rows, cfg.block_n), cfg.split_k)](
         x2, weight, bias_arg, out, part, M, N, K, k_per_split, x2.stride(0), weight.stride(0),
-        HAS_BIAS=has_bias, MODE=_MODE_ID[cfg.mode], SPLIT_K=cfg.split_k, EVEN_K=K == k_per_split * cfg.split_k,
+        HAS_BIAS=has_bias, MODE=MODE_IDS[cfg.mode], SPLIT_K=cfg.split_k, EVEN_K=K == k_per_split * cfg.split_k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         # Triton's interpreter multiplies bf16 (kept as uint16) bit patterns in
@@ -266,7 +282,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          config: GemvConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K] with few rows (flattened to M);
     returns [..., N] in x's dtype. `config` defaults to default_config."""
-    _check(x, weight, bias)
+    check_operands(x, weight, bias)
     N, K = weight.shape
     x2 = _rows(x, K)
     cfg = config or default_config(x2.shape[0], N, K)
@@ -281,7 +297,7 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     weight [2H, K] gate rows then up rows: returns [..., H], what
     silu_mul(gemv(x, weight, bias)) returns, in one kernel. A split-K config
     (whose partials meet in a second kernel) runs as those two calls."""
-    _check(x, weight, bias)
+    check_operands(x, weight, bias)
     rows, K = weight.shape
     if rows % 2:
         raise ValueError(f"gemv_silu_mul wants weight [2 * hidden, K], got {tuple(weight.shape)}")

@@ -34,16 +34,17 @@ class TritonLayerOps(LayerOps):
         return rotate_qk_(qkv, cos, sin)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self._gemv_for(x, weight):
+        if self.gemv_for(x, weight):
             return gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def gated_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # Where gemv runs the projection, its epilogue applies the SiLU: one
         # kernel instead of two in every decode layer's MLP.
-        if self._gemv_for(x, weight):
+        if self.gemv_for(x, weight):
             return gemv_silu_mul(x, weight, bias)
         return super().gated_linear(x, weight, bias)
 
-    def _gemv_for(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    def gemv_for(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether linear(x, weight) runs on gemv."""
         return self.use_gemv and beats_cublas(x.shape[:-1].numel(), weight.shape[0])

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from pipeline.kernels import gemv_rotary
 from pipeline.kernels.decode_attention import paged_decode_attention, plan_splits
 from pipeline.kernels.ops import TritonLayerOps
 from pipeline.kernels.rotary_kv import rotary_kv_write
@@ -61,6 +62,15 @@ class TritonDecodeAttention(AttentionBackend):
     def attend_packed(self, layer, qkv, cos, sin, heads):
         k_slots, v_slots = self.cache.layer_slots(layer)
         q = rotary_kv_write(qkv, cos, sin, heads, k_slots, v_slots, self.slot_mapping)
+        return self._attention(q, k_slots, v_slots)
+
+    def attend_projected(self, layer, x, weight, bias, cos, sin, heads, ops):
+        # Where gemv runs the projection, its epilogue does the rotary and
+        # cache write: one kernel a layer fewer.
+        if ops is None or not self.ops.gemv_for(x, weight) or not gemv_rotary.fits(x.shape[0], weight):
+            return super().attend_projected(layer, x, weight, bias, cos, sin, heads, ops)
+        k_slots, v_slots = self.cache.layer_slots(layer)
+        q = gemv_rotary.gemv_rotary_kv(x, weight, bias, cos, sin, heads, k_slots, v_slots, self.slot_mapping)
         return self._attention(q, k_slots, v_slots)
 
     def layer_ops(self) -> LayerOps:

@@ -37,6 +37,16 @@ class AttentionBackend(ABC):
         qk = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)  # q and k in one pass
         return self.attend(layer, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:])
 
+    def attend_projected(self, layer: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         cos: torch.Tensor, sin: torch.Tensor, heads: int, ops: LayerOps | None) -> torch.Tensor:
+        """attend_packed of the fused q/k/v projection of x [tokens, hidden]
+        (weight: q, k then v rows), projected by ops.linear (F.linear without
+        ops); head_dim is cos's width. A backend may fuse the projection
+        with its rotary and cache write where ops are given; this default
+        runs them in turn."""
+        qkv = (ops.linear if ops is not None else F.linear)(x, weight, bias)
+        return self.attend_packed(layer, qkv.view(x.shape[0], -1, cos.shape[-1]), cos, sin, heads)
+
     def layer_ops(self) -> LayerOps | None:
         """Fused norm/activation kernels the model should use in this forward,
         or None for its plain PyTorch ops. A forward's backend is its one

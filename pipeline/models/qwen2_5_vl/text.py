@@ -70,7 +70,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, cos, sin, attn: AttentionBackend):
         if self.qkv is not None:
-            return self._forward_packed(x, cos, sin, attn, F.linear)
+            return self._forward_packed(x, cos, sin, attn, None)
         n = x.shape[0]
         q = apply_rotary(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
         k = apply_rotary(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
@@ -82,13 +82,12 @@ class SelfAttention(nn.Module):
         never fuse()d keeps its plain projections."""
         if self.qkv is None:
             return self.forward(x, cos, sin, attn)
-        return self._forward_packed(x, cos, sin, attn, ops.linear)
+        return self._forward_packed(x, cos, sin, attn, ops)
 
-    def _forward_packed(self, x, cos, sin, attn: AttentionBackend, linear):
-        n = x.shape[0]
-        qkv = linear(x, *self.qkv).view(n, self.heads + 2 * self.kv_heads, self.head_dim)
-        out = attn.attend_packed(self.layer, qkv, cos, sin, self.heads)
-        return linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
+    def _forward_packed(self, x, cos, sin, attn: AttentionBackend, ops: LayerOps | None):
+        out = attn.attend_projected(self.layer, x, *self.qkv, cos, sin, self.heads, ops)
+        linear = ops.linear if ops is not None else F.linear
+        return linear(out.reshape(x.shape[0], -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
