@@ -11,18 +11,14 @@ Skipped where triton is not installed (CI).
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed: the fused decode kernels are CUDA-only extras", allow_module_level=True)
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported without its interpreter; run this file alone", allow_module_level=True)
-# Set before triton's first import, which fixes interpreter-or-compiler (see test_kernels.py).
-os.environ["TRITON_INTERPRET"] = "1"
+import test_kernels  # noqa: E402,F401  (sets TRITON_INTERPRET=1 before triton loads)
+
 from pipeline.kernels.gemv import default_config, gemv  # noqa: E402
 from pipeline.kernels.gemv_rotary import fits, gemv_rotary_kv  # noqa: E402
 from pipeline.kernels.rotary_kv import rotary_kv_write  # noqa: E402
