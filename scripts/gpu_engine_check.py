@@ -133,9 +133,6 @@ def kernel_equality(device: torch.device) -> dict:
                          ("one_split", (1, 1024))):
         got = decode_attention.paged_decode_attention(q, *caches, tables, lengths, 16, *splits)
         out[f"paged_attention_{name}"] = dict(_compare(got, want), splits=splits[0])
-        merged = decode_attention.paged_decode_attention(
-            q, *caches, tables, lengths, 16, *splits, counters=decode_attention.split_counters(6, 2, device))
-        out[f"paged_attention_{name}_merged_in_kernel"] = _same(merged, got)
     out.update(unified_equality(device, _compare))
     out.update(gemv_rotary_equality(device, randn))
     return out

@@ -15,9 +15,10 @@ kernels it replaced):
   silu    the MLP's SiLU * up as its own kernel after gate_up (before
           gemv_silu_mul fused it into gate_up's epilogue);
   rotary  rotary + K/V write as its own kernel after the q/k/v gemv
-          (before gemv_rotary_kv fused them);
-  merge   decode attention's split-K partials merged by their own kernel
-          (before the last split merged them).
+          (before gemv_rotary_kv fused them).
+(A third, decode attention's split-K partials merged by the split program
+that finished last instead of a kernel of their own, measured 13.7% slower
+at batch 1 and was dropped: commit 2e83a7c has it.)
 (Another way, each gemv program prefetching its first weight lines into L2
 before its wait, measured no better than pdl and was dropped: commit
 24244a8 has it. Another, a PDL kernel after each gemv prefetching the next
@@ -48,7 +49,7 @@ import torch  # noqa: E402
 
 from pipeline.engine import decode_graphs  # noqa: E402
 from pipeline.engine.engine import Engine, EngineConfig  # noqa: E402
-from pipeline.kernels import decode_attention, dependent_launch  # noqa: E402
+from pipeline.kernels import dependent_launch  # noqa: E402
 from pipeline.kernels.ops import TritonLayerOps  # noqa: E402
 from pipeline.kernels.paged_backend import TritonDecodeAttention  # noqa: E402
 from pipeline.models.attention import AttentionBackend  # noqa: E402
@@ -65,7 +66,6 @@ WAYS = {"off": False, "pdl": True}
 APART = {
     "silu": (TritonLayerOps, "gated_linear", LayerOps.gated_linear),
     "rotary": (TritonDecodeAttention, "attend_projected", AttentionBackend.attend_projected),
-    "merge": (decode_attention, "split_counters", lambda *args: None),
 }
 
 

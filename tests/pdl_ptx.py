@@ -31,12 +31,7 @@ SPECS = {
     "rotary_kv._rotary_kv_kernel": dict(HEADS=16, KV_HEADS=2, HEAD_DIM=128, HALF=64, BLOCK_H=32,
                                         BLOCK_HALF=64, BLOCK_KV=2, BLOCK_D=128),
     "decode_attention._split_kernel": dict(HEADS=16, KV_HEADS=2, HEAD_DIM=128, PAGE=16, SPLIT_LEN=64,
-                                           NUM_SPLITS=4, BLOCK_G=16, BLOCK_D=128, BLOCK_N=32, PRECISION="tf32",
-                                           BLOCK_S=4, MERGE_HERE=False),
-    # The last split merges (counters given).
-    "decode_attention._split_kernel:merge": dict(HEADS=16, KV_HEADS=2, HEAD_DIM=128, PAGE=16, SPLIT_LEN=64,
-                                                 NUM_SPLITS=4, BLOCK_G=16, BLOCK_D=128, BLOCK_N=32,
-                                                 PRECISION="tf32", BLOCK_S=4, MERGE_HERE=True),
+                                           NUM_SPLITS=4, BLOCK_G=16, BLOCK_D=128, BLOCK_N=32, PRECISION="tf32"),
     "decode_attention._merge_kernel": dict(HEADS=16, HEAD_DIM=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128),
     "gemv._gemv_kernel": dict(HAS_BIAS=True, MODE=0, SPLIT_K=1, EVEN_K=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512,
                               PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4, GATED=False),
@@ -51,7 +46,7 @@ SPECS = {
 }
 FLOAT_ARGS = {"eps", "scale"}
 FLOAT32_POINTERS = {"part_ptr", "acc_ptr", "stats_ptr"}
-INT_POINTERS = {"slots_ptr", "tables_ptr", "lengths_ptr", "counters_ptr"}
+INT_POINTERS = {"slots_ptr", "tables_ptr", "lengths_ptr"}
 
 
 def pdl_kernels() -> dict:

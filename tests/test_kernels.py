@@ -116,30 +116,6 @@ def test_paged_decode_attention(dtype, splits):
     close(got, want)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [(3, 128), (10, 32)])
-def test_paged_decode_attention_merged_by_the_last_split(dtype, splits):
-    """With counters the last split program merges: bit for bit the merge
-    kernel's output, and every counter back at zero for the next call (the
-    buffer is larger than the batch: the rest stays untouched)."""
-    m = kernel("decode_attention")
-    q, k_slots, v_slots, tables, lengths, page = paged_case(dtype, [1, 17, 300])
-    counters = m.split_counters(len(lengths) + 2, 2, q.device)
-    apart = m.paged_decode_attention(q, k_slots, v_slots, tables, lengths, page, *splits)
-    for _ in range(2):
-        merged = m.paged_decode_attention(q, k_slots, v_slots, tables, lengths, page, *splits, counters=counters)
-        assert torch.equal(merged, apart)
-        assert not counters.any()
-
-
-def test_paged_decode_attention_rejects_short_counters():
-    m = kernel("decode_attention")
-    q, k_slots, v_slots, tables, lengths, page = paged_case(torch.float32, [5, 40])
-    with pytest.raises(ValueError, match="counters"):
-        m.paged_decode_attention(q, k_slots, v_slots, tables, lengths, page, 2, 32,
-                                 counters=m.split_counters(2, 2, q.device))
-
-
 def test_paged_decode_attention_small_heads_and_odd_group():
     """Head dim 16 and a group of 3 q heads per kv head: padded tiles masked."""
     m = kernel("decode_attention")
@@ -201,8 +177,6 @@ def run_decode(model, fused: bool, cache_init, dtype):
     positions[1] += 1  # M-RoPE axes that differ
     with torch.inference_mode():
         logits = graphs.run([5, 77, 201], positions, tables, context_lens)
-    if fused:  # the last split of each layer's attention merged, and set its counter back
-        assert graphs.split_counters is not None and not graphs.split_counters.any()
     return logits, cache
 
 

@@ -11,11 +11,13 @@ scheduler hands out).
 
 Where Triton runs (CUDA), the forward instead uses the fused kernels of
 pipeline.kernels: rotary + cache write and paged attention that reads K/V in
-place (its split-K partials merged by the split that finishes last), fused
-residual-add + RMSNorm and SiLU * up: five small kernels per layer beside the
-four matmuls, instead of about twenty. The matmuls run on cuBLAS, or with matmul="triton"
+place (plus a small merge of its split-K partials), fused residual-add +
+RMSNorm and SiLU * up: six small kernels per layer beside the four matmuls,
+instead of about twenty. The matmuls run on cuBLAS, or with matmul="triton"
 on the small-M Triton matmul (pipeline/kernels/gemv.py) in the buckets of
-few rows.
+few rows, where the SiLU and (for a model whose attention asks the backend
+to project q/k/v, attend_projected) the rotary + cache write run in the
+gemvs' epilogues instead.
 """
 
 from __future__ import annotations
@@ -124,12 +126,6 @@ class DecodeGraphs:
         self.last_bucket: tuple[int, int] | None = None   # the (batch, length) bucket of the last step
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._copied: torch.cuda.Event | None = None   # recorded after the last copy out of `staging`
-        self.split_counters = None
-        if fused:
-            # Made here, not while a graph is captured: every bucket's graph
-            # shares them (each attention call leaves them at zero).
-            from pipeline.kernels.decode_attention import split_counters
-            self.split_counters = split_counters(mb, cache.keys.shape[3], device)
 
     def run(self, token_ids: list[int], positions: torch.Tensor, block_tables: list[list[int]],
             context_lens: list[int], device_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,8 +221,7 @@ class DecodeGraphs:
         from pipeline.kernels.dependent_launch import launching
         from pipeline.kernels.paged_backend import TritonDecodeAttention
         attn = TritonDecodeAttention(self.cache, self.slot_mapping[:bb], self._tables(bb, lb),
-                                     self.lengths[:bb], lb, self.num_sms, self.matmul == "triton",
-                                     self.split_counters)
+                                     self.lengths[:bb], lb, self.num_sms, self.matmul == "triton")
         with launching(bb <= DEPENDENT_LAUNCH_MAX_BATCH):
             return self._logits(bb, attn)
 

@@ -5,15 +5,12 @@ Split-K ("flash decoding"): a batch-1 step has only `kv_heads` (2 for the 3B
 model) units of work per sequence, far too few to fill a GPU, so each
 sequence's key range is cut into `num_splits` pieces. Program (seq, kv_head,
 split) attends the whole GQA group of q heads of that kv head to its piece
-with an online softmax and writes an unnormalised partial (acc, max, sum).
-The pieces are merged either by a second kernel or, given a counter per
-(sequence, kv head), by whichever split program finishes last: each bumps
-the counter after storing its partial, and the one that sees it reach
-NUM_SPLITS - 1 merges the group's heads and sets it back to 0 for the next
-call. One launch a layer fewer on the batch-1 step, where each launch is a
-few microseconds of the step; the merge's arithmetic is the same code either
-way, so the outputs are bit for bit equal. With one split the first kernel
-writes the output directly.
+with an online softmax and writes an unnormalised partial (acc, max, sum);
+a second kernel merges the pieces. With one split the first kernel writes
+the output directly. (The split program that finished last merging them
+instead, one launch a layer fewer, measured 13.7% slower on the batch-1
+step: its serial merge of 32 splits of 8 heads was the layer's critical
+path, where the merge kernel runs a program per head. Commit 2e83a7c.)
 
 Shapes are static per (batch, max_len) bucket so the launches are CUDA-graph
 capturable; a sequence's real length masks the rest, and a padding row (length
@@ -55,12 +52,11 @@ def attend_tile(q, k_ptr, v_ptr, table_ptr, pos, valid, visible, m, l, acc, scal
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, acc_ptr, stats_ptr, counters_ptr, scale,
+def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, acc_ptr, stats_ptr, scale,
                   q_stride, cache_stride, table_stride,
                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                   SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
-                  BLOCK_S: tl.constexpr = 1, MERGE_HERE: tl.constexpr = False):
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
     wait_then_release(USE_GDC)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     group = HEADS // KV_HEADS
@@ -93,46 +89,26 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, acc_ptr
         tl.store(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
         tl.store(stats_ptr + at * 2, m, mask=g_mask)
         tl.store(stats_ptr + at * 2 + 1, l, mask=g_mask)
-        if MERGE_HERE:
-            # Every thread's stores before the count (the barrier), the count
-            # at GPU scope with release and acquire: the last program then
-            # reads every split's partial (through L2, not a stale L1 line).
-            tl.debug_barrier()
-            counter = counters_ptr + seq * KV_HEADS + kv_head
-            finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if finished == NUM_SPLITS - 1:
-                for i in tl.static_range(HEADS // KV_HEADS):
-                    _merge_head(acc_ptr, stats_ptr, out_ptr, q_stride, seq, kv_head * group + i,
-                                HEADS, HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_D)
-                tl.store(counter, 0)
-
-
-@triton.jit
-def _merge_head(acc_ptr, stats_ptr, out_ptr, out_stride, seq, head, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row (seq, head)'s output from its NUM_SPLITS partials."""
-    sp = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_mask, d_mask = sp < NUM_SPLITS, d < HEAD_DIM
-    at = (seq * HEADS + head) * NUM_SPLITS + sp
-    # A split past the sequence's end has max -inf and sum 0: weight 0.
-    m = tl.load(stats_ptr + at * 2, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(stats_ptr + at * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
-    m_all = tl.max(m, axis=0)
-    w = tl.exp(m - m_all)
-    total = tl.sum(l * w, axis=0)
-    acc = tl.load(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0,
-                  cache_modifier=".cg")
-    out = tl.sum(acc * w[:, None], axis=0) / total
-    tl.store(out_ptr + seq * out_stride + head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
 def _merge_kernel(acc_ptr, stats_ptr, out_ptr, out_stride, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr):
     wait_then_release(USE_GDC)
-    _merge_head(acc_ptr, stats_ptr, out_ptr, out_stride, tl.program_id(0), tl.program_id(1),
-                HEADS, HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_D)
+    seq, head = tl.program_id(0), tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask, d_mask = sp < NUM_SPLITS, d < HEAD_DIM
+    at = (seq * HEADS + head) * NUM_SPLITS + sp
+    # A split past the sequence's end has max -inf and sum 0: weight 0.
+    m = tl.load(stats_ptr + at * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(stats_ptr + at * 2 + 1, mask=s_mask, other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.exp(m - m_all)
+    total = tl.sum(l * w, axis=0)
+    acc = tl.load(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / total
+    tl.store(out_ptr + seq * out_stride + head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def plan_splits(batch: int, kv_heads: int, max_len: int, num_sms: int, block_n: int = 32) -> tuple[int, int]:
@@ -144,51 +120,37 @@ def plan_splits(batch: int, kv_heads: int, max_len: int, num_sms: int, block_n: 
     return triton.cdiv(max_len, split_len), split_len
 
 
-def split_counters(batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
-    """Zeroed counters for paged_decode_attention's in-kernel merge, one per
-    (sequence, kv head) of the largest batch they serve; each call leaves
-    them at zero again, so one buffer serves every call and every captured
-    graph that runs on its stream."""
-    return torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
-
-
 def paged_decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                            block_tables: torch.Tensor, lengths: torch.Tensor, page: int,
-                           num_splits: int, split_len: int, block_n: int = 32,
-                           counters: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int, split_len: int, block_n: int = 32) -> torch.Tensor:
     """q: [batch, heads, head_dim] (one query per sequence, at its last
     position); k/v_slots: [slots, kv_heads, head_dim]; block_tables: [batch,
     width] block ids; lengths: [batch] keys per sequence, each at most
-    num_splits * split_len and width * page. Returns [batch, heads, head_dim].
-    `counters` (split_counters, for at least this batch): the last split
-    merges, in the same kernel; without them a second kernel does."""
+    num_splits * split_len and width * page. Returns [batch, heads, head_dim]."""
     batch, heads, dim = q.shape
     kv_heads = k_slots.shape[1]
     if heads % kv_heads or not q.is_contiguous() or not k_slots.is_contiguous() or not v_slots.is_contiguous():
         raise ValueError("paged_decode_attention wants contiguous q and cache, heads a multiple of kv_heads")
     if split_len % block_n or block_tables.stride(1) != 1:
         raise ValueError("split_len must be a multiple of block_n; block tables row-major")
-    if counters is not None and (counters.dtype != torch.int32 or counters.numel() < batch * kv_heads):
-        raise ValueError(f"counters: want int32 [>= {batch * kv_heads}], got {counters.dtype} "
-                         f"[{counters.numel()}]")
     out = torch.empty_like(q)
     acc = stats = out  # unused with one split
     if num_splits > 1:
         acc = torch.empty(batch * heads * num_splits, dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(batch * heads * num_splits, 2, dtype=torch.float32, device=q.device)
-    merge_here = num_splits > 1 and counters is not None
-    block_d, block_s = next_power_of_2(dim), next_power_of_2(num_splits)
+    block_d = next_power_of_2(dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     pdl = launch_options()
     _split_kernel[(batch, kv_heads, num_splits)](
-        q, k_slots, v_slots, block_tables, lengths, out, acc, stats, counters if merge_here else lengths,
-        dim ** -0.5, q.stride(0), k_slots.stride(0), block_tables.stride(0),
+        q, k_slots, v_slots, block_tables, lengths, out, acc, stats, dim ** -0.5,
+        q.stride(0), k_slots.stride(0), block_tables.stride(0),
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE=page, SPLIT_LEN=split_len, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, next_power_of_2(heads // kv_heads)), BLOCK_D=max(16, block_d), BLOCK_N=block_n,
-        PRECISION=precision, BLOCK_S=block_s, MERGE_HERE=merge_here, num_warps=4, **pdl)
-    if num_splits > 1 and not merge_here:
+        PRECISION=precision, num_warps=4, **pdl)
+    if num_splits > 1:
         _merge_kernel[(batch, heads)](acc, stats, out, out.stride(0), HEADS=heads, HEAD_DIM=dim,
-                                      NUM_SPLITS=num_splits, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, **pdl)
+                                      NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
+                                      BLOCK_D=block_d, num_warps=4, **pdl)
     return out
 
 

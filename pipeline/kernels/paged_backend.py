@@ -36,15 +36,11 @@ class PagedKVSlots(Protocol):
 class TritonDecodeAttention(AttentionBackend):
     """Row i attends to keys 0..lengths[i]-1 of its block table; its new K/V
     goes to slot_mapping[i]. Padding rows point at the null block.
-    `use_gemv`: see TritonLayerOps. `split_counters`: see
-    paged_decode_attention (the last split merges); None runs the merge
-    kernel."""
+    `use_gemv`: see TritonLayerOps."""
 
     def __init__(self, cache: PagedKVSlots, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 lengths: torch.Tensor, max_len: int, num_sms: int, use_gemv: bool = False,
-                 split_counters: torch.Tensor | None = None) -> None:
+                 lengths: torch.Tensor, max_len: int, num_sms: int, use_gemv: bool = False) -> None:
         self.cache = cache
-        self.split_counters = split_counters
         self.slot_mapping = slot_mapping
         self.block_tables = block_tables
         self.lengths = lengths
@@ -78,8 +74,7 @@ class TritonDecodeAttention(AttentionBackend):
 
     def _attention(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         return paged_decode_attention(q, k_slots, v_slots, self.block_tables, self.lengths,
-                                      self.cache.block_size, self.num_splits, self.split_len,
-                                      counters=self.split_counters)
+                                      self.cache.block_size, self.num_splits, self.split_len)
 
 
 class TritonMixedAttention(AttentionBackend):
