@@ -38,16 +38,11 @@ def _gemv_rotary_kv_kernel(x_ptr, w_ptr, bias_ptr, cos_ptr, sin_ptr, slots_ptr, 
     pair = tl.program_id(0) * PAIRS + j // 2
     rn = (pair // HALF) * HEAD_DIM + pair % HALF + (j % 2) * HALF
     n_mask = pair < (HEADS + 2 * KV_HEADS) * HALF
-    # Released after the loop: the next kernel is the attention, whose
-    # waiting programs would otherwise take SM slots this grid still needs.
+    # The epilogue's bias, cos/sin and cache slots, loaded before the loop so
+    # their latency hides under it. Released after the loop: the next
+    # kernel is the attention, whose waiting programs would otherwise take
+    # SM slots this grid still needs.
     wait_only(USE_GDC)
-    acc = stream_rows(x_ptr, w_ptr, rm, rn, m_mask, n_mask, 0, K, x_stride, w_stride,
-                      MODE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST_DOT, NUM_STAGES)
-    release_dependents(USE_GDC)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    dtype = q_ptr.dtype.element_ty
-    x1, x2 = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), (BLOCK_M, PAIRS, 2)))
     p = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
     head, i = p // HALF, p % HALF
     mask = m_mask[:, None] & (p < (HEADS + 2 * KV_HEADS) * HALF)[None, :]
@@ -56,6 +51,17 @@ def _gemv_rotary_kv_kernel(x_ptr, w_ptr, bias_ptr, cos_ptr, sin_ptr, slots_ptr, 
     cos2 = tl.load(cos_ptr + cs + HALF, mask=mask, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + cs + HALF, mask=mask, other=0.0).to(tl.float32)
+    slot = tl.load(slots_ptr + rm, mask=m_mask, other=0)
+    bias = tl.zeros((BLOCK_N,), tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    acc = stream_rows(x_ptr, w_ptr, rm, rn, m_mask, n_mask, 0, K, x_stride, w_stride,
+                      MODE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST_DOT, NUM_STAGES)
+    release_dependents(USE_GDC)
+    if HAS_BIAS:
+        acc += bias[None, :]
+    dtype = q_ptr.dtype.element_ty
+    x1, x2 = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), (BLOCK_M, PAIRS, 2)))
     rotated = (head < HEADS + KV_HEADS)[None, :]
     out1 = tl.where(rotated, x1 * cos1 - x2 * sin1, x1)
     out2 = tl.where(rotated, x2 * cos2 + x1 * sin2, x2)
@@ -65,7 +71,6 @@ def _gemv_rotary_kv_kernel(x_ptr, w_ptr, bias_ptr, cos_ptr, sin_ptr, slots_ptr, 
     tl.store(q_at + HALF, out2.to(dtype), mask=is_q)
     # k and v rows of this token's cache slot: head - HEADS is the k head,
     # and one kv_heads further, the v head.
-    slot = tl.load(slots_ptr + rm, mask=m_mask, other=0)
     kv = tl.maximum(head - HEADS, 0)
     is_k = mask & (head >= HEADS)[None, :] & (kv < KV_HEADS)[None, :]
     is_v = mask & (kv >= KV_HEADS)[None, :]
