@@ -20,6 +20,8 @@ gemv_silu_mul fuses the gated MLP's activation into the epilogue: weight
 gate and up rows of the same outputs interleaved in one tile, so the tile's
 sums pair up and silu(gate) * up is written directly ([M, H]), one kernel
 and no [M, 2H] intermediate. It rounds as gemv then silu_mul would.
+gemv_rotary.py runs the same main loop (stream_rows) with the rotary and
+K/V cache write as its epilogue.
 
 Split-K (split_k > 1) cuts K over programs for shapes with too few row
 blocks to fill the GPU; each split writes float32 partials and a second
