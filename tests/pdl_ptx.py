@@ -34,16 +34,30 @@ SPECS = {
                                            NUM_SPLITS=4, BLOCK_G=16, BLOCK_D=128, BLOCK_N=32, PRECISION="tf32"),
     "decode_attention._merge_kernel": dict(HEADS=16, HEAD_DIM=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128),
     "gemv._gemv_kernel": dict(HAS_BIAS=True, MODE=0, SPLIT_K=1, EVEN_K=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512,
-                              PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4, GATED=False),
+                              PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4, GATED=False, PRELOAD=False,
+                              BLOCK_KP=1),
     # The gated MLP's epilogue (gemv_silu_mul), at gate_up's config.
     "gemv._gemv_kernel:gated": dict(HAS_BIAS=False, MODE=2, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=64,
-                                    BLOCK_K=128, PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4, GATED=True),
+                                    BLOCK_K=128, PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4, GATED=True,
+                                    PRELOAD=False, BLOCK_KP=1),
+    # One row's weight slice read before the wait (GemvConfig.preload).
+    "gemv._gemv_kernel:preload": dict(HAS_BIAS=False, MODE=0, SPLIT_K=1, EVEN_K=True, BLOCK_M=1, BLOCK_N=4,
+                                      BLOCK_K=512, PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4, GATED=False,
+                                      PRELOAD=True, BLOCK_KP=2048),
     "gemv._split_sum_kernel": dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),
     # The q/k/v projection with rotary and the K/V write, at qkv's batch-1 config.
     "gemv_rotary._gemv_rotary_kv_kernel": dict(HAS_BIAS=True, MODE=0, EVEN_K=True, BLOCK_M=1, BLOCK_N=4,
                                                BLOCK_K=512, PRECISION="tf32", UPCAST_DOT=False, NUM_STAGES=4,
-                                               HEADS=16, KV_HEADS=2, HEAD_DIM=128, HALF=64, PAIRS=2),
+                                               HEADS=16, KV_HEADS=2, HEAD_DIM=128, HALF=64, PAIRS=2,
+                                               PRELOAD=False, BLOCK_KP=1),
+    "gemv_rotary._gemv_rotary_kv_kernel:preload": dict(HAS_BIAS=True, MODE=0, EVEN_K=True, BLOCK_M=1, BLOCK_N=4,
+                                                       BLOCK_K=512, PRECISION="tf32", UPCAST_DOT=False,
+                                                       NUM_STAGES=4, HEADS=16, KV_HEADS=2, HEAD_DIM=128, HALF=64,
+                                                       PAIRS=2, PRELOAD=True, BLOCK_KP=2048),
 }
+# Variants that read their (constant) weight before the wait: they may load,
+# never store, before it.
+READ_WEIGHT_EARLY = {name for name in SPECS if name.endswith(":preload")}
 FLOAT_ARGS = {"eps", "scale"}
 FLOAT32_POINTERS = {"part_ptr", "acc_ptr", "stats_ptr"}
 INT_POINTERS = {"slots_ptr", "tables_ptr", "lengths_ptr"}
@@ -87,7 +101,7 @@ def main() -> int:
         if kernel_name not in SPECS:
             report[kernel_name] = {"error": "no entry in tests/pdl_ptx.py SPECS"}
         for name in [key for key in SPECS if key.split(":")[0] == kernel_name]:
-            report[name] = compiled(fn, SPECS[name])
+            report[name] = dict(compiled(fn, SPECS[name]), reads_weight_early=name in READ_WEIGHT_EARLY)
     json.dump(report, sys.stdout)
     return 0
 
@@ -101,9 +115,12 @@ def compiled(fn, spec: dict) -> dict:
     ptx = kernel.asm["ptx"].splitlines()
     first_memory = next((i for i, line in enumerate(ptx) if re.search(r"\b(ld\.global|st\.global|cp\.async|"
                                                                       r"atom\.|red\.global)", line)), None)
+    first_write = next((i for i, line in enumerate(ptx) if re.search(r"\b(st\.global|atom\.|red\.global)", line)),
+                       None)
     return {"wait": where(ptx, "griddepcontrol.wait"),
             "release": where(ptx, "griddepcontrol.launch_dependents"),
-            "first_memory": first_memory, "launch_pdl": bool(kernel.metadata.launch_pdl)}
+            "first_memory": first_memory, "first_write": first_write,
+            "launch_pdl": bool(kernel.metadata.launch_pdl)}
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ CONFIGS = {
     "reduce-split3": GemvConfig(block_n=8, block_k=32, mode="reduce", split_k=3),
     "dot-split2": GemvConfig(block_n=32, block_k=32, mode="dot", split_k=2, num_stages=2),
     "defer-split4-empty": GemvConfig(block_n=4, block_k=128, mode="defer", split_k=4, num_warps=2),
+    # The whole K slice read in one load (before the wait, where PDL is on).
+    "preload": GemvConfig(block_n=16, preload=True),
+    "preload-2warps": GemvConfig(block_n=4, num_warps=2, preload=True),
 }
 
 
@@ -103,9 +106,23 @@ def test_default_config_never_splits_short_k():
         assert default_config(M, 2048, 11008).block_n * default_config(M, 2048, 11008).split_k <= 64
 
 
+def test_default_config_preloads_one_row_where_the_slice_fits():
+    assert default_config(1, 2560, 2048).preload and default_config(1, 2048, 2048).preload
+    assert not default_config(2, 2560, 2048).preload      # two rows: not measured
+    assert not default_config(1, 22016, 2048).preload     # 64-row blocks: too large a slice
+    assert not default_config(1, 2048, 11008).preload     # down's K: too large a slice
+
+
+def test_preload_refuses_a_slice_past_its_limit():
+    x, weight, _ = operands(1, 8, 4096, torch.float32, False)
+    with pytest.raises(ValueError, match="PRELOAD_MAX"):
+        gemv(x, weight, None, GemvConfig(block_n=4, preload=True))
+
+
 @pytest.mark.parametrize("bad, field", [(dict(mode="fma"), "mode"), (dict(block_n=12), "block_n"),
                                         (dict(mode="dot", block_k=8), "block_k"), (dict(split_k=0), "split_k"),
-                                        (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages")])
+                                        (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages"),
+                                        (dict(preload=True, split_k=2), "preload")])
 def test_config_validation_names_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         GemvConfig(**bad)

@@ -19,7 +19,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed: the fused decode kernels are CUDA-only extras", allow_module_level=True)
 import test_kernels  # noqa: E402,F401  (sets TRITON_INTERPRET=1 before triton loads)
 
-from pipeline.kernels.gemv import default_config, gemv  # noqa: E402
+from pipeline.kernels.gemv import GemvConfig, default_config, gemv  # noqa: E402
 from pipeline.kernels.gemv_rotary import fits, gemv_rotary_kv  # noqa: E402
 from pipeline.kernels.rotary_kv import rotary_kv_write  # noqa: E402
 
@@ -43,13 +43,16 @@ def operands(M: int, K: int, dtype: torch.dtype, with_bias: bool, seed: int = 0)
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("M", [1, 2, 3])
 @pytest.mark.parametrize("K", [64, 1024])
-def test_fused_is_gemv_then_rotary_kv_write(dtype, with_bias, M, K):
+@pytest.mark.parametrize("preload", [False, True])
+def test_fused_is_gemv_then_rotary_kv_write(dtype, with_bias, M, K, preload):
+    """Default configs, and the weight read in one load (GemvConfig.preload)."""
     x, weight, bias, cos, sin, cache, slots = operands(M, K, dtype, with_bias)
     assert fits(M, weight)
+    config = GemvConfig(block_n=4, preload=True) if preload else None
     got_k, got_v = cache[0].clone(), cache[1].clone()
     want_k, want_v = cache[0].clone(), cache[1].clone()
-    q = gemv_rotary_kv(x, weight, bias, cos, sin, HEADS, got_k, got_v, slots)
-    qkv = gemv(x, weight, bias).view(M, HEADS + 2 * KV_HEADS, DIM)
+    q = gemv_rotary_kv(x, weight, bias, cos, sin, HEADS, got_k, got_v, slots, config)
+    qkv = gemv(x, weight, bias, config).view(M, HEADS + 2 * KV_HEADS, DIM)
     want_q = rotary_kv_write(qkv, cos, sin, HEADS, want_k, want_v, slots)
     assert q.shape == (M, HEADS, DIM) and q.dtype == dtype
     assert torch.equal(q, want_q)
@@ -78,5 +81,5 @@ def test_refuses_what_it_cannot_split_or_write():
     long_k = torch.randn(1, 8192)
     wide = torch.randn(weight.shape[0], 8192)
     assert not fits(1, wide)  # 8 row blocks of a long K: the config splits K
-    with pytest.raises(ValueError, match="split-K"):
+    with pytest.raises(ValueError, match="one pass over K"):
         gemv_rotary_kv(long_k, wide, None, cos, sin, HEADS, k, v, slots)

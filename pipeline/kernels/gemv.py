@@ -59,13 +59,17 @@ class GemvConfig:
     """One launch shape: W rows per program (block_n), K per tile (block_k),
     programs along K (split_k), how a tile is multiplied (mode, see the
     module docstring), and tiles in flight per program (num_stages; 1 is
-    plain loads, more is cp.async into shared memory)."""
+    plain loads, more is cp.async into shared memory). `preload`: each
+    program reads its whole weight slice (block_n x K, at most PRELOAD_MAX
+    elements) in one load before its grid wait, then multiplies it by FMA
+    with one K-sum; block_k, mode and num_stages then do not apply."""
     block_n: int = 16
     block_k: int = 256
     split_k: int = 1
     mode: str = "reduce"
     num_warps: int = 4
     num_stages: int = 4
+    preload: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -78,7 +82,22 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.split_k={self.split_k}: want 1..64")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"GemvConfig.num_stages={self.num_stages}: want 1..8")
+        if self.preload and self.split_k > 1:
+            raise ValueError("GemvConfig.preload reads a program's whole K: it excludes split_k > 1")
 
+    def check_preload(self, K: int) -> None:
+        if self.preload and self.block_n * next_power_of_2(K) > PRELOAD_MAX:
+            raise ValueError(f"GemvConfig.preload: {self.block_n} rows of {K} exceed PRELOAD_MAX={PRELOAD_MAX}")
+
+
+# Weight elements a program may read before its wait (preload): 64 a thread
+# at 4 warps. On an H200, a q/k/v- or o_proj-shaped projection of one row
+# after add + RMSNorm, chained with PDL, took 0.7 us less a pair read this
+# way. Launched without PDL there is no wait to overlap, and the one-shot
+# load was 3-7% slower a pair than the pipelined loop (session 24); the
+# default keeps one arithmetic for both launches, so PDL stays checkable
+# against plain launches token for token.
+PRELOAD_MAX = 8192
 
 # Output widths from here up (gate_up, lm_head of a 3B model) give even
 # 8-row blocks several programs per SM; narrower ones (qkv, o_proj, down)
@@ -90,7 +109,8 @@ def default_config(M: int, N: int, K: int) -> GemvConfig:
     """The fastest config scripts/gpu_gemv_bench.py measured on an H200 at
     the 3B decode shapes (docs/benchmarks.md, issue 4): FMA with a deferred
     K-sum into 4-row blocks for narrow outputs at 1-2 rows; tensor-core dots
-    otherwise (64-row blocks for wide outputs, 16 for narrow)."""
+    otherwise (64-row blocks for wide outputs, 16 for narrow). One row whose
+    weight slice fits preloads it (see GemvConfig and PRELOAD_MAX)."""
     wide = N >= _WIDE_N
     if M <= 2 and not wide:
         block_n, block_k, mode, stages = 4, 512, "defer", 4
@@ -103,7 +123,9 @@ def default_config(M: int, N: int, K: int) -> GemvConfig:
     split_k = 1
     while K >= 4096 and triton.cdiv(N, block_n) * split_k < _SMS and split_k < 8:
         split_k *= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, mode=mode, num_stages=stages)
+    preload = M == 1 and split_k == 1 and block_n * next_power_of_2(K) <= PRELOAD_MAX
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, mode=mode, num_stages=stages,
+                      preload=preload)
 
 
 def beats_cublas(M: int, N: int) -> bool:
@@ -155,11 +177,27 @@ def stream_rows(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, k_end, x_stride, 
 
 
 @triton.jit
+def preload_rows(w_ptr, rn, n_mask, w_stride, K, BLOCK_KP: tl.constexpr):
+    """W's rows rn, all of K (BLOCK_KP: K's next power of two), in one load."""
+    rk = tl.arange(0, BLOCK_KP)
+    return tl.load(w_ptr + rn.to(tl.int64)[:, None] * w_stride + rk[None, :],
+                   mask=n_mask[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def multiply_preloaded(x_ptr, rm, m_mask, x_stride, w, K, BLOCK_KP: tl.constexpr):
+    """x's rows rm times preload_rows' w, summed over K in float32."""
+    rk = tl.arange(0, BLOCK_KP)
+    x = tl.load(x_ptr + rm[:, None] * x_stride + rk[None, :], mask=m_mask[:, None] & (rk < K)[None, :], other=0.0)
+    return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split, x_stride, w_stride,
                  HAS_BIAS: tl.constexpr, MODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                  UPCAST_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, USE_GDC: tl.constexpr,
-                 GATED: tl.constexpr = False):
+                 GATED: tl.constexpr = False, PRELOAD: tl.constexpr = False, BLOCK_KP: tl.constexpr = 1):
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     if GATED:
@@ -177,14 +215,21 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, k_per_split
     m_mask = rm < M
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if PRELOAD:
+        # The weight never depends on the kernel before this one: read
+        # before the wait, it streams in while that kernel finishes.
+        w = preload_rows(w_ptr, rn, n_mask, w_stride, K, BLOCK_KP)
     # Gated, the next kernel is the down projection: released at the top,
     # its waiting programs would take SM slots from this grid's later
     # programs, so it is released after the loop instead.
     wait_only(USE_GDC)
     if not GATED:
         release_dependents(USE_GDC)
-    acc = stream_rows(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, k_end, x_stride, w_stride,
-                      MODE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST_DOT, NUM_STAGES)
+    if PRELOAD:
+        acc = multiply_preloaded(x_ptr, rm, m_mask, x_stride, w, K, BLOCK_KP)
+    else:
+        acc = stream_rows(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, k_end, x_stride, w_stride,
+                          MODE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST_DOT, NUM_STAGES)
     if GATED:
         release_dependents(USE_GDC)
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -246,15 +291,17 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
 
 
 def tile_rows(M: int, cfg: GemvConfig) -> int:
-    """BLOCK_M for M rows: the next power of two, at least 16 for tl.dot."""
+    """BLOCK_M for M rows: the next power of two, at least 16 for tl.dot
+    (a preloading config multiplies by FMA whatever its mode)."""
     block_m = next_power_of_2(M)
-    return max(_DOT_MIN, block_m) if cfg.mode == "dot" else block_m
+    return max(_DOT_MIN, block_m) if cfg.mode == "dot" and not cfg.preload else block_m
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
             out: torch.Tensor, gated: bool) -> None:
     """One gemv into out [M, N] (gated: N = weight rows / 2, see gemv_silu_mul)."""
     M, (rows, K) = x2.shape[0], weight.shape
+    cfg.check_preload(K)
     N = rows // 2 if gated else rows
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.block_k), cfg.split_k) * cfg.block_k
     part = out
@@ -273,7 +320,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
         # tl.dot; products of bf16 values are exact in float32, so upcasting
         # there computes what the GPU's bf16 dot does.
         UPCAST_DOT=interpreting() and x2.dtype == torch.bfloat16,
-        NUM_STAGES=cfg.num_stages, GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+        NUM_STAGES=cfg.num_stages, GATED=gated, PRELOAD=cfg.preload, BLOCK_KP=next_power_of_2(K),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if cfg.split_k > 1:
         block = 1024
         _split_sum_kernel[(M, triton.cdiv(N, block))](part, bias_arg, out, M, N, HAS_BIAS=has_bias,

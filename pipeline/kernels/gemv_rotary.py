@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pipeline.kernels import interpreting
+from pipeline.kernels import interpreting, next_power_of_2
 from pipeline.kernels.dependent_launch import launch_options, release_dependents, wait_only
-from pipeline.kernels.gemv import MODE_IDS, check_operands, default_config, stream_rows, tile_rows
+from pipeline.kernels.gemv import (MODE_IDS, GemvConfig, check_operands, default_config, multiply_preloaded, preload_rows,
+                                   stream_rows, tile_rows)
 
 
 @triton.jit
@@ -31,19 +32,22 @@ def _gemv_rotary_kv_kernel(x_ptr, w_ptr, bias_ptr, cos_ptr, sin_ptr, slots_ptr, 
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, NUM_STAGES: tl.constexpr,
                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           HALF: tl.constexpr, PAIRS: tl.constexpr, USE_GDC: tl.constexpr):
+                           HALF: tl.constexpr, PAIRS: tl.constexpr, USE_GDC: tl.constexpr,
+                           PRELOAD: tl.constexpr = False, BLOCK_KP: tl.constexpr = 1):
     rm = tl.arange(0, BLOCK_M)
     m_mask = rm < M
     j = tl.arange(0, BLOCK_N)
     pair = tl.program_id(0) * PAIRS + j // 2
     rn = (pair // HALF) * HEAD_DIM + pair % HALF + (j % 2) * HALF
     n_mask = pair < (HEADS + 2 * KV_HEADS) * HALF
+    if PRELOAD:   # the weight, before the wait: see GemvConfig.preload
+        w = preload_rows(w_ptr, rn, n_mask, w_stride, K, BLOCK_KP)
     # The epilogue's bias, cos/sin and cache slots, loaded before the loop so
     # their latency hides under it. Released after the loop: the next
     # kernel is the attention, whose waiting programs would otherwise take
     # SM slots this grid still needs.
     wait_only(USE_GDC)
-    p = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+    p = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)   # the tile's pairs, as `pair` counts them
     head, i = p // HALF, p % HALF
     mask = m_mask[:, None] & (p < (HEADS + 2 * KV_HEADS) * HALF)[None, :]
     cs = rm[:, None] * cs_stride + i[None, :]
@@ -55,8 +59,11 @@ def _gemv_rotary_kv_kernel(x_ptr, w_ptr, bias_ptr, cos_ptr, sin_ptr, slots_ptr, 
     bias = tl.zeros((BLOCK_N,), tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    acc = stream_rows(x_ptr, w_ptr, rm, rn, m_mask, n_mask, 0, K, x_stride, w_stride,
-                      MODE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST_DOT, NUM_STAGES)
+    if PRELOAD:
+        acc = multiply_preloaded(x_ptr, rm, m_mask, x_stride, w, K, BLOCK_KP)
+    else:
+        acc = stream_rows(x_ptr, w_ptr, rm, rn, m_mask, n_mask, 0, K, x_stride, w_stride,
+                          MODE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST_DOT, NUM_STAGES)
     release_dependents(USE_GDC)
     if HAS_BIAS:
         acc += bias[None, :]
@@ -92,8 +99,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.
            k_slots: torch.Tensor, v_slots: torch.Tensor) -> int:
     """The operands' shapes; returns kv_heads."""
     (tokens, _), rows, dim = x.shape, weight.shape[0], cos.shape[-1]
-    all_heads = rows // dim if dim else 0
-    if dim % 2 or rows % dim or all_heads <= heads or (all_heads - heads) % 2:
+    all_heads = rows // max(dim, 1)
+    if dim < 2 or dim % 2 or rows % dim or all_heads <= heads or (all_heads - heads) % 2:
         raise ValueError(f"gemv_rotary_kv: {rows} weight rows do not split into {heads} q heads and k, v "
                          f"heads of {dim}")
     if cos.shape != (tokens, dim) or cos.stride(1) != 1 or sin.shape != cos.shape or sin.stride() != cos.stride():
@@ -109,20 +116,23 @@ def _check(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 def gemv_rotary_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
                    sin: torch.Tensor, heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> torch.Tensor:
+                   slot_mapping: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
     """rotary_kv_write(gemv(x, weight, bias).view(tokens, -1, head_dim), cos,
     sin, heads, k_slots, v_slots, slot_mapping) in one kernel: x [tokens,
     K]; weight [(heads + 2 * kv_heads) * head_dim, K], q then k then v rows;
     cos/sin [tokens, head_dim]. Writes k and v at slot_mapping; returns the
-    rotated q [tokens, heads, head_dim]. Only where `fits`."""
+    rotated q [tokens, heads, head_dim]. `config`: gemv's (default_config
+    if None); it must not split K (see `fits`)."""
     check_operands(x, weight, bias)
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"gemv_rotary_kv wants x [tokens, K] with K contiguous, got {tuple(x.shape)}")
     kv_heads = _check(x, weight, cos, sin, heads, k_slots, v_slots)
     (tokens, K), rows, dim = x.shape, weight.shape[0], cos.shape[-1]
-    cfg = default_config(tokens, rows, K)
-    if cfg.split_k > 1:
-        raise ValueError(f"gemv_rotary_kv: {tokens} rows of {K} want split-K; see fits()")
+    cfg = config or default_config(tokens, rows, K)
+    if cfg.split_k > 1 or cfg.block_n % 2:
+        raise ValueError(f"gemv_rotary_kv: a config of split-K {cfg.split_k}, {cfg.block_n} rows a program: "
+                         f"want one pass over K and whole pairs; see fits()")
+    cfg.check_preload(K)
     q = x.new_empty(tokens, heads, dim)
     _gemv_rotary_kv_kernel[(triton.cdiv(rows, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, cos, sin, slot_mapping, q, k_slots, v_slots,
@@ -132,5 +142,6 @@ def gemv_rotary_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST_DOT=interpreting() and x.dtype == torch.bfloat16, NUM_STAGES=cfg.num_stages,
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=dim, HALF=dim // 2, PAIRS=cfg.block_n // 2,
+        PRELOAD=cfg.preload, BLOCK_KP=next_power_of_2(K),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options())
     return q
