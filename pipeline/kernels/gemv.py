@@ -21,7 +21,10 @@ gate and up rows of the same outputs interleaved in one tile, so the tile's
 sums pair up and silu(gate) * up is written directly ([M, H]), one kernel
 and no [M, 2H] intermediate. It rounds as gemv then silu_mul would.
 gemv_rotary.py runs the same main loop (stream_rows) with the rotary and
-K/V cache write as its epilogue.
+K/V cache write as its epilogue. At one row a program whose weight slice is
+small enough reads all of it before its grid wait instead of in the loop
+(GemvConfig.preload): under PDL it streams in while the kernel before
+finishes.
 
 Split-K (split_k > 1) cuts K over programs for shapes with too few row
 blocks to fill the GPU; each split writes float32 partials and a second
@@ -320,7 +323,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
         # tl.dot; products of bf16 values are exact in float32, so upcasting
         # there computes what the GPU's bf16 dot does.
         UPCAST_DOT=interpreting() and x2.dtype == torch.bfloat16,
-        NUM_STAGES=cfg.num_stages, GATED=gated, PRELOAD=cfg.preload, BLOCK_KP=next_power_of_2(K),
+        NUM_STAGES=cfg.num_stages, GATED=gated, PRELOAD=cfg.preload,
+        BLOCK_KP=next_power_of_2(K) if cfg.preload else 1,   # one compiled variant per K only where it is used
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if cfg.split_k > 1:
         block = 1024

@@ -142,6 +142,6 @@ def gemv_rotary_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST_DOT=interpreting() and x.dtype == torch.bfloat16, NUM_STAGES=cfg.num_stages,
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=dim, HALF=dim // 2, PAIRS=cfg.block_n // 2,
-        PRELOAD=cfg.preload, BLOCK_KP=next_power_of_2(K),
+        PRELOAD=cfg.preload, BLOCK_KP=next_power_of_2(K) if cfg.preload else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options())
     return q
