@@ -1,9 +1,10 @@
 """The q/k/v projection with rotary and the K/V cache write in its epilogue
 (pipeline/kernels/gemv_rotary.py), run on the CPU by Triton's interpreter:
 bit for bit gemv then rotary_kv_write, for every multiply mode the default
-config picks (1-3 rows), K whole and partial tiles, with and without bias;
-the shapes it refuses; and the decode backend choosing it only where gemv
-runs the projection.
+config picks (1-3 rows) and for the weight read in one load (preload), K
+whole and partial tiles, with and without bias; and the shapes it refuses.
+The engine running it in every layer of a decode step is
+tests/test_decode_matmul.py's business.
 
 Skipped where triton is not installed (CI).
 """
