@@ -42,7 +42,8 @@ def main() -> int:
         return (torch.randn(*shape, device=device) * scale).to(torch.bfloat16)
 
     rows = args.rows
-    qkv_w, qkv_b = randn((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, scale=0.02), randn((HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv_w, qkv_b = randn(qkv_rows, HIDDEN, scale=0.02), randn(qkv_rows)
     o_w, gate_up_w, down_w = randn(HIDDEN, HIDDEN, scale=0.02), randn(2 * INTERMEDIATE, HIDDEN, scale=0.02), \
         randn(HIDDEN, INTERMEDIATE, scale=0.01)
     x, mlp_x = randn(rows, HIDDEN), randn(rows, INTERMEDIATE)

@@ -21,8 +21,8 @@ import triton.language as tl
 
 from pipeline.kernels import interpreting, next_power_of_2
 from pipeline.kernels.dependent_launch import launch_options, release_dependents, wait_only
-from pipeline.kernels.gemv import (MODE_IDS, GemvConfig, check_operands, default_config, multiply_preloaded, preload_rows,
-                                   stream_rows, tile_rows)
+from pipeline.kernels.gemv import (MODE_IDS, GemvConfig, check_operands, default_config, multiply_preloaded,
+                                   preload_rows, stream_rows, tile_rows)
 
 
 @triton.jit
