@@ -15,53 +15,142 @@ import pytest
 
 from planner_helpers import IMAGE_TOKENS, make_profile
 from pipeline.planner.capacity import Layout, Workload, candidate_layouts, evaluate, plan, predict
+from pipeline.planner.generator_model import vision_pieces_s
 from pipeline.planner.profile import (
-    FORMAT, DecodePoint, Profile, ProfileError, VisionPoint,
-    decode_step_s, interpolate, load_profile, prefill_s_per_token, save_profile, vision_batch_s)
+    FORMAT, DecodePoint, PrefillPoint, Profile, ProfileError, VisionPoint,
+    decode_step_s, interpolate, load_profile, prefill_line, save_profile, vision_batch_s)
 
-def text_only(input_len: int = 400, output_len: int = 150, slo_tpot_s: float = 0.05) -> Workload:
-    return Workload(images=0, image_tokens=1, input_len=input_len, output_len=output_len, slo_ttft_s=2.0,
+def text_only(input_len: int = 400, output_len: int = 150, slo_tpot_s: float = 0.05,
+              slo_ttft_s: float = 2.0) -> Workload:
+    return Workload(images=0, image_tokens=1, input_len=input_len, output_len=output_len, slo_ttft_s=slo_ttft_s,
                     slo_tpot_s=slo_tpot_s)
 
 
-# ---- the generator's fixed point -------------------------------------------
+NO_TTFT = 1e6   # a queue of any length meets this TTFT
+
+
+def one_prompt_chunks_rate(d0: float, d1: float, P: float, t_p: float, O: int, S: float) -> float:
+    """Text only, decode curve d(B) = d0 + d1*B timed at the served context,
+    prefill t_p a token through the origin: a mixed step is one prompt with
+    the decodes, P*t_p + d1*(B - 1) (the decodes add the curve's part that
+    grows with B), r of them a second, busy W = r*(P*t_p + d1*(B - 1)); in the
+    rest decode-only steps of d(B). TPOT = 1 / (r + (1 - W) / d(B)) with
+    B = r*O*TPOT; set TPOT = S and the r**2 terms cancel:
+    r = (1 - d0/S) / (P*t_p + d1*(O - 1) - d0)."""
+    return (1 - d0 / S) / (P * t_p + d1 * (O - 1) - d0)
+
+
+# ---- the generator's steps ---------------------------------------------------
 
 @pytest.mark.parametrize("generators, gpus", [(1, 1), (2, 2)])
 def test_text_only_tpot_bound_with_a_flat_decode_curve(generators, gpus):
-    """d(B) = d0: each step of s seconds carries the prompt tokens that arrived
-    meanwhile, s = d0 + r*P*s*t_p, so s = d0 / (1 - r*P*t_p); TPOT ~ s <= S
-    gives r = (1 - d0/S) / (P*t_p) per generator, R = G*r."""
-    d0, t_p, S = 0.01, 1e-4, 0.05
-    load = text_only(slo_tpot_s=S)
+    """d(B) = d0, one prompt a mixed step (one_prompt_chunks_rate with d1 = 0),
+    each generator on its own GPU: R = G * r."""
+    d0, t_p, S, O = 0.01, 2e-4, 0.05, 150
+    load = text_only(output_len=O, slo_tpot_s=S, slo_ttft_s=NO_TTFT)
     P = 400 + 20  # the text plus the chat template's tokens
     assert load.prompt_tokens == P
-    expected = generators * (1 - d0 / S) / (P * t_p)   # 19.05 req/s a generator
+    r = one_prompt_chunks_rate(d0, 0.0, P, t_p, O, S)   # 10.8 req/s a generator
+    assert r * P * t_p < 1   # the mixed steps leave time for decode-only ones
     prediction = predict(make_profile(d0=d0, t_p=t_p), load, Layout(0, generators, "aggregated", gpus))
     assert prediction.bound == "tpot"
-    assert prediction.max_rate == pytest.approx(expected, rel=0.005)
+    assert prediction.max_rate == pytest.approx(generators * r, rel=0.005)
+    generator = prediction.detail["generators"][0]
+    assert generator["chunk"] == pytest.approx(P) and generator["busy"] == pytest.approx(r * P * t_p, rel=0.01)
     # At the limit the decode batch r*O*S stays well under max_num_seqs, so TPOT is what binds.
-    assert expected / generators * 150 * S < 1024
+    assert r * O * S < 1024
 
 
 def test_text_only_tpot_bound_with_a_growing_decode_curve():
-    """d(B) = d0 + d1*B with B = r*O*s decoding: s = (d0 + d1*r*O*s) / (1 - r*P*t_p),
-    so s = d0 / (1 - r*(P*t_p + d1*O)); s = S at r = (1 - d0/S) / (P*t_p + d1*O)."""
+    """d(B) = d0 + d1*B, timed at the served context (P + O/2 tokens): one_prompt_chunks_rate."""
     d0, d1, t_p, S, O = 0.01, 2e-4, 1e-4, 0.05, 150
     P = 400 + 20
-    expected = (1 - d0 / S) / (P * t_p + d1 * O)   # 11.1 req/s
-    prediction = predict(make_profile(d0=d0, d1=d1, t_p=t_p), text_only(output_len=O, slo_tpot_s=S),
+    r = one_prompt_chunks_rate(d0, d1, P, t_p, O, S)   # 12.9 req/s
+    profile = make_profile(d0=d0, d1=d1, t_p=t_p, decode_context_len=P + O // 2)
+    prediction = predict(profile, text_only(output_len=O, slo_tpot_s=S, slo_ttft_s=NO_TTFT),
                          Layout(0, 1, "aggregated", 1))
     assert prediction.bound == "tpot"
-    assert prediction.max_rate == pytest.approx(expected, rel=0.005)
-    assert prediction.detail["generators"][0]["decode_batch"] == pytest.approx(expected * O * S, rel=0.01)
+    assert prediction.max_rate == pytest.approx(r, rel=0.005)
+    assert prediction.detail["generators"][0]["decode_batch"] == pytest.approx(r * O * S, rel=0.01)
+
+
+def test_the_decodes_cost_grows_with_their_context():
+    """The decode curve's part that grows with B is KV reads: timed at half
+    the served context, it costs twice as much a sequence, as d1 doubled
+    timed at the served context would."""
+    d0, d1, t_p, S, O, P = 0.01, 1e-4, 1e-4, 0.05, 150, 420
+    load = text_only(output_len=O, slo_tpot_s=S, slo_ttft_s=NO_TTFT)
+    at_half = predict(make_profile(d0=d0, d1=d1, t_p=t_p, decode_context_len=(P + O // 2) // 2), load,
+                      Layout(0, 1, "aggregated", 1))
+    # d(B) = d0 + d1 + 2*d1*(B - 1) = (d0 - d1) + 2*d1*B
+    assert at_half.max_rate == pytest.approx(one_prompt_chunks_rate(d0 - d1, 2 * d1, P, t_p, O, S), rel=0.01)
+
+
+def test_prompts_gather_into_larger_chunks_when_single_ones_would_fill_the_time():
+    """Prefill a + b*k for a chunk of k (a: the weight reads, paid per
+    step): mixed steps of one prompt each would need r*(a + b*P) > 1 of a
+    second, so prompts wait and chunks grow until the mixed steps fill it,
+    (r*P/k) * (a + b*k) = 1, k = r*P*a / (1 - r*P*b); every step is then a
+    mixed one of a/(1 - r*P*b) seconds, so TPOT = S at r = (1 - a/S) / (P*b)
+    (the flat decode curve adds nothing a sequence)."""
+    a, b, S, O = 0.01, 1e-5, 0.05, 150
+    load = text_only(input_len=2000, output_len=O, slo_tpot_s=S, slo_ttft_s=NO_TTFT)
+    P = load.prompt_tokens
+    r = (1 - a / S) / (P * b)   # 39.6 req/s
+    assert r * (a + b * P) > 1   # one prompt a step would not keep up
+    prediction = predict(make_profile(d0=0.01, t_p=b, prefill_fixed=a), load, Layout(0, 1, "aggregated", 1))
+    assert prediction.bound == "tpot"
+    assert prediction.max_rate == pytest.approx(r, rel=0.005)
+    generator = prediction.detail["generators"][0]
+    assert generator["chunk"] == pytest.approx(r * P * a / (1 - r * P * b), rel=0.01)   # 4,000 tokens
+    assert generator["busy"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_generator_falls_behind_when_full_chunks_do_not_fit():
+    """A 2,048-token budget and one output token (B ~ 0): full chunks of
+    about 2,048 tokens take a + b*2048 each, so prompts of P tokens keep up
+    while r*P*(a + b*2048)/2048 < 1."""
+    a, b, budget = 0.01, 1e-5, 2048
+    load = text_only(input_len=2000, output_len=1, slo_tpot_s=10.0, slo_ttft_s=NO_TTFT)
+    P = load.prompt_tokens
+    prediction = predict(make_profile(d0=0.01, t_p=b, prefill_fixed=a, max_num_batched_tokens=budget), load,
+                         Layout(0, 1, "aggregated", 1))
+    assert prediction.bound == "generator"
+    # B = r*1*TPOT is about one sequence, so the room left is between budget - 2 and budget.
+    lower, upper = ((room / (P * (a + b * room))) for room in (budget - 2, budget))
+    assert lower * 0.999 <= prediction.max_rate <= upper
+
+
+def ttft_bound_rate(P: int, t_p: float, T: float) -> float:
+    """Flat decode curve, one prompt a chunk: full chunks of the budget would
+    take rho = r*P*t_p of the time, a request's service is P*t_p, and an
+    M/M/1 queue's P99 wait is P*t_p / (1 - rho) * ln(100*rho); then the
+    prompt's own step, P*t_p. The rate where that sum is T, by bisection."""
+    service = P * t_p
+
+    def ttft(rho: float) -> float:
+        return service / (1 - rho) * math.log(100 * rho) + service
+
+    low, high = 0.01, 0.999999   # ttft grows with rho
+    for _ in range(100):
+        low, high = ((low + high) / 2, high) if ttft((low + high) / 2) < T else (low, (low + high) / 2)
+    return low / service
+
+
+def test_ttft_is_the_p99_wait_for_the_prompt_server():
+    load = text_only(slo_tpot_s=10.0, slo_ttft_s=1.0)
+    prediction = predict(make_profile(d0=0.01, t_p=1e-4), load, Layout(0, 1, "aggregated", 1))
+    assert prediction.bound == "ttft"
+    assert prediction.max_rate == pytest.approx(ttft_bound_rate(load.prompt_tokens, 1e-4, 1.0), rel=0.005)
 
 
 def test_generators_sharing_a_gpu_split_it():
-    """Two generators on one GPU each pay twice the costs: per generator
-    r = (1 - 2*d0/S) / (P*2*t_p), R = 2*r = (1 - 2*d0/S) / (P*t_p)."""
-    d0, t_p, S, P = 0.01, 1e-4, 0.05, 420
-    expected = (1 - 2 * d0 / S) / (P * t_p)   # 14.3 req/s
-    prediction = predict(make_profile(d0=d0, t_p=t_p), text_only(slo_tpot_s=S), Layout(0, 2, "aggregated", 1))
+    """Two generators on one GPU each pay twice the costs (2*d0, 2*t_p) at
+    half the rate: R = 2 * one_prompt_chunks_rate(2*d0, 0, P, 2*t_p, O, S)."""
+    d0, t_p, S, O, P = 0.01, 2e-4, 0.05, 150, 420
+    expected = 2 * one_prompt_chunks_rate(2 * d0, 0.0, P, 2 * t_p, O, S)   # 8.1 req/s
+    prediction = predict(make_profile(d0=d0, t_p=t_p), text_only(slo_tpot_s=S, slo_ttft_s=NO_TTFT),
+                         Layout(0, 2, "aggregated", 1))
     assert prediction.bound == "tpot"
     assert prediction.max_rate == pytest.approx(expected, rel=0.005)
 
@@ -140,7 +229,7 @@ def test_text_only_chooses_aggregated():
     (then the simplest wins) and dedicated ones lose generators."""
     predictions, chosen = plan(make_profile(), text_only(), candidate_layouts(4))
     assert chosen.layout == Layout(0, 4, "aggregated", 4)
-    assert chosen.max_rate == pytest.approx(4 * (1 - 0.01 / 0.05) / (420 * 1e-4), rel=0.005)
+    assert chosen.max_rate == pytest.approx(4 * ttft_bound_rate(420, 1e-4, 2.0), rel=0.005)   # 4 x 21.5
     dedicated = [p for p in predictions if p.layout.placement == "dedicated"]
     assert all(p.max_rate < chosen.max_rate * 0.9 for p in dedicated)
 
@@ -201,7 +290,10 @@ def test_reading_the_profile_curves():
     assert decode_step_s(profile, 10) == pytest.approx(0.01 + 0.001 * 10)
     assert decode_step_s(profile, 0.2) == pytest.approx(0.011)    # fewer than one: a step of one
     assert decode_step_s(profile, 10, share=1.0) == pytest.approx(1.5 * 0.02)
-    assert prefill_s_per_token(profile) == pytest.approx(2e-4)
+    assert prefill_line(profile) == pytest.approx((0.0, 2e-4))   # one point: through the origin
+    with_fixed = make_profile(t_p=2e-4, prefill_fixed=0.01, generator_beside=1.5)
+    assert prefill_line(with_fixed) == pytest.approx((0.01, 2e-4))
+    assert prefill_line(with_fixed, share=1.0) == pytest.approx((0.015, 3e-4))
     assert vision_batch_s(profile, IMAGE_TOKENS, 3) == pytest.approx(3 * 0.03)
     assert vision_batch_s(profile, IMAGE_TOKENS // 2, 2) == pytest.approx(0.03)   # by visual tokens
     assert vision_batch_s(profile, IMAGE_TOKENS, 2, share=1.0) == pytest.approx(2 * 0.03 * 2.0)
@@ -297,3 +389,27 @@ def test_an_encoder_with_a_fixed_cost_per_forward_batches_just_enough():
     expected = rate * a / (1 - rate * c)   # 4 images
     assert encoder["stable"] and expected <= encoder["batch"] <= expected * 1.02
     assert encoder["busy"] == pytest.approx(rate * (a + c * encoder["batch"]) / encoder["batch"], rel=1e-9)
+
+
+def test_a_falling_prefill_pair_reads_as_a_line_through_the_origin():
+    """Noise can time the larger prefill step cheaper a token than a line
+    allows (a negative intercept): read the larger point's mean cost."""
+    profile = msgspec.structs.replace(make_profile(), prefill=[
+        PrefillPoint(1024, 0.004), PrefillPoint(2048, 0.01)])   # line: -0.002 s + 5.9 us a token
+    assert prefill_line(profile) == pytest.approx((0.0, 0.01 / 2048))
+
+
+def test_graph_pieces_add_the_power_of_two_forwards():
+    """With a fixed cost a forward, T(b) = 0.01 + 0.01*b and graphs of up to
+    16 images: 3 images run as a 2-image and a 1-image forward, T(2) + T(1)
+    = 0.05 s (one forward of 3 would take 0.04); 2.5 images blend 2 (0.03)
+    and 3 (0.05); eager stages (no graphs) run one forward."""
+    data = msgspec.to_builtins(make_profile())
+    for point in data["vision"]:
+        point["alone_s"] = 0.01 + 0.01 * point["batch"]
+    eager = msgspec.convert(data, Profile)
+    graphs = msgspec.structs.replace(eager, vision_graphs=16)
+    assert vision_batch_s(graphs, IMAGE_TOKENS, 3) == pytest.approx(0.04)
+    assert vision_pieces_s(graphs, IMAGE_TOKENS, 3) == pytest.approx(0.05)
+    assert vision_pieces_s(graphs, IMAGE_TOKENS, 2.5) == pytest.approx(0.04)
+    assert vision_pieces_s(eager, IMAGE_TOKENS, 3) == pytest.approx(0.04)

@@ -16,16 +16,16 @@ continuous batching:
   time. No such batch: it cannot keep up. T is read at the generator's
   busy share where its GPU also runs one (profile.py: alone at 0, beside
   at 1, the half-duty figure between), alone otherwise.
-- A generator steps continuously. Each step of s seconds carries the B = r*O*s
-  sequences that are decoding (one token each, so TPOT ~ s), the prompt
-  tokens that arrived meanwhile (r*P*s, at t_p each) and, in aggregated
-  mode, the vision forward of the images that arrived (r*I*s). So
-  s = d(B) + r*P*s*t_p + V(s), solved as a fixed point; no solution (the
-  step grows without bound) means the generator cannot keep up. On a GPU
-  with encoders its costs are read at the encoders' busy share the same
-  way; stages of one kind sharing a GPU split it.
-- TTFT = queueing (a wait that grows as rho/(1-rho), rho = the share of each
-  step beyond its fixed cost) + the encode latency + the prefill's steps.
+- A generator (generator_model.py) runs mixed steps of a prompt chunk
+  that carry the decoding sequences, and decode-only steps in the time
+  they leave; TPOT is the time between steps, the decode batch follows by
+  Little's law, and a generator whose mixed steps cannot fit even at full
+  chunks falls behind. In aggregated mode its mixed steps also run the
+  vision forwards of their chunks' images. On a GPU with encoders its
+  costs are read at the encoders' busy share the same way; stages of one
+  kind sharing a GPU split it.
+- TTFT = the P99 wait for the generator's prompt throughput + the encode
+  latency + the prompt's chunks.
 
 The highest rate is found by bisection on these constraints; `bound` names
 the one that fails just above it: encoder, generator (throughput), tpot,
@@ -38,11 +38,11 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from pipeline.launch.placement import place_stages
-from pipeline.planner.profile import Profile, decode_step_s, prefill_s_per_token, vision_batch_s
+from pipeline.planner.generator_model import GeneratorLoad, serve
+from pipeline.planner.profile import Profile, vision_batch_s
 
 LAYOUT_KINDS = ("aggregated", "colocated", "dedicated")
 TEMPLATE_TOKENS = 20  # chat-template tokens around a user turn (about 20 in the templates served today)
-MAX_STEP_S = 60.0  # a step this long means the generator's fixed point diverged
 RATE_CEILING = 1e5
 
 
@@ -169,66 +169,20 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
 
 def _generator(profile: Profile, workload: Workload, layout: Layout, gpu: int, encoder_gpus: list[int],
                generator_gpus: list[int], encoders: list[dict], rate: float) -> dict:
-    r = rate / layout.generators
-    crowd = generator_gpus.count(gpu)  # generators sharing a GPU split it
     encoder_busy = min(1.0, sum(e["busy"] for e, g in zip(encoders, encoder_gpus) if g == gpu))
-
-    def decode_s(batch: float) -> float:
-        return crowd * decode_step_s(profile, batch, share=encoder_busy)
-
-    t_p = crowd * prefill_s_per_token(profile, share=encoder_busy)
-    load = r * workload.prompt_tokens * t_p  # share of every step spent on prefill
-    out = {"gpu": gpu, "encoder_busy_beside": encoder_busy, "prefill_share": load}
-    if load >= 1.0:
-        return {**out, "failed": "generator", "busy": 1.0}
-    step = decode_step_s(profile, 1)
-    for _ in range(200):
-        batch = r * workload.output_len * step
-        decode = decode_s(batch)
-        vision = crowd * _inline_vision_s(profile, workload, layout, r, step)
-        new = (decode + vision) / (1.0 - load)
-        converged = abs(new - step) <= 1e-9 * max(1.0, new)
-        step = new
-        if converged or step > MAX_STEP_S:
-            break
-    batch = r * workload.output_len * step
-    fixed = decode_s(1)
-    busy = max(0.0, min(1.0, 1.0 - fixed / step)) if step > 0 else 0.0
-    out.update(step_s=step, decode_batch=batch, busy=busy)
-    if step > MAX_STEP_S or not converged:
-        return {**out, "failed": "generator"}
-    if batch > profile.limits.max_num_seqs:
-        return {**out, "failed": "max_num_seqs"}
-    if step > workload.slo_tpot_s:
+    load = GeneratorLoad(rate=rate / layout.generators, prompt_tokens=workload.prompt_tokens,
+                         output_len=workload.output_len, images=workload.images,
+                         image_tokens=workload.image_tokens, inline_vision=layout.placement == "aggregated",
+                         crowd=generator_gpus.count(gpu), encoder_share=encoder_busy)
+    out = {"gpu": gpu, **serve(profile, load)}
+    if out.get("failed"):
+        return out
+    if out["step_s"] > workload.slo_tpot_s:
         return {**out, "failed": "tpot"}
-    ttft = _ttft_s(profile, workload, step, batch, busy, encoders, encoder_gpus)
-    out["ttft_s"] = ttft
-    if ttft > workload.slo_ttft_s:
+    out["ttft_s"] += max((e["latency_s"] for e in encoders), default=0.0)
+    if out["ttft_s"] > workload.slo_ttft_s:
         return {**out, "failed": "ttft"}
     return out
-
-
-def _inline_vision_s(profile: Profile, workload: Workload, layout: Layout, r: float, step: float) -> float:
-    """Aggregated mode: vision seconds per step for the images that arrive
-    during one step, encoded inside the step under the local-encode budget."""
-    if layout.placement != "aggregated" or workload.images == 0:
-        return 0.0
-    images = r * workload.images * step
-    per_step = max(1, profile.limits.local_encode_tokens // workload.image_tokens)
-    if images <= 1.0:  # a fraction of the steps carries one image
-        return images * vision_batch_s(profile, workload.image_tokens, 1)
-    if images <= per_step:
-        return vision_batch_s(profile, workload.image_tokens, images)
-    return images / per_step * vision_batch_s(profile, workload.image_tokens, per_step)
-
-
-def _ttft_s(profile: Profile, workload: Workload, step: float, batch: float, busy: float,
-            encoders: list[dict], encoder_gpus: list[int]) -> float:
-    chunk = max(1.0, profile.limits.max_num_batched_tokens - batch)
-    prefill = math.ceil(workload.prompt_tokens / chunk) * step
-    queue = busy / max(1e-9, 1.0 - busy) * step / 2.0
-    encode = max((e["latency_s"] for e in encoders), default=0.0)
-    return queue + encode + prefill
 
 
 def predict(profile: Profile, workload: Workload, layout: Layout) -> Prediction:

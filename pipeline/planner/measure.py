@@ -212,7 +212,7 @@ def measure_box(settings: MeasureSettings, say: Callable[[str], None] = print) -
     return Profile(
         format=FORMAT, model_id=s.model_id, device_name=device_name(box.device),
         gpu_count=torch.cuda.device_count() if box.device.type == "cuda" else 0, dtype=s.dtype, mps=s.mps,
-        vision_graphs=s.vision_graphs,
+        vision_graphs=s.vision_graphs, decode_context_len=s.context_len,
         limits=EngineLimits(s.max_num_batched_tokens, s.max_num_seqs, s.encoder_max_batch_tokens,
                             s.local_encode_tokens),
         image=ImageGeometry(box.image_config.patch_size, box.image_config.merge_size,

@@ -82,6 +82,10 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill: list[PrefillPoint]
     created: str = ""
     notes: str = ""
+    # Prompt tokens of each sequence in the decode timings (the planner scales
+    # their batch-dependent part, the KV reads, to the served context). Files
+    # written before this field was measured with 1024.
+    decode_context_len: Count = 1024
 
     def __post_init__(self) -> None:
         if self.format != FORMAT:
@@ -157,11 +161,21 @@ def decode_step_s(profile: Profile, batch: float, share: float = 0.0) -> float:
     return max(min(y for _, y in points), interpolate(points, max(1.0, batch)))
 
 
-def prefill_s_per_token(profile: Profile, share: float = 0.0) -> float:
-    """Prompt tokens cost this each in a full chunk (the largest measured
-    prefill step, the one chunked prefill runs at under load)."""
-    point = max(profile.prefill, key=lambda p: p.tokens)
-    return _time(point, share) / point.tokens
+def prefill_line(profile: Profile, share: float = 0.0) -> tuple[float, float]:
+    """(seconds a step, seconds a token): the line through the two largest
+    prefill steps measured, the ones chunked prefill runs near under load;
+    its intercept is what a step pays whatever its chunk (the weight reads).
+    One point: a line through the origin. Never a negative part: a noisy
+    pair that falls keeps the larger point's mean cost a token."""
+    points = sorted((p.tokens, _time(p, share)) for p in profile.prefill)[-2:]
+    if len(points) == 1:
+        return 0.0, points[0][1] / points[0][0]
+    (x0, y0), (x1, y1) = points
+    per_token = (y1 - y0) / (x1 - x0)
+    intercept = y1 - per_token * x1
+    if per_token <= 0 or intercept < 0:
+        return 0.0, y1 / x1
+    return intercept, per_token
 
 
 def vision_batch_s(profile: Profile, tokens: int, batch: float, share: float = 0.0) -> float:
