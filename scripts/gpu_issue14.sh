@@ -21,6 +21,8 @@
 #   run(command="PHASE=17 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD colocated at --max-num-seqs 256: the same
 #   run(command="PHASE=18 bash scripts/gpu_issue14.sh", carry=[".whl"])  # at 256: EPD 1x400, 1x2000; aggregated 1x400 lower
 #   run(command="PHASE=19 bash scripts/gpu_issue14.sh", carry=[".whl"])  # 1x2000 both layouts, one bracket, 3 steps
+#   run(command="PHASE=20 bash scripts/gpu_issue14.sh", carry=[".whl"])  # profile, plans, aggregated 4x400 (2 steps)
+#   run(command="PHASE=21 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD colocated 4x400 (2 steps)
 # Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
 # results of PHASE 1 from results/ (copy the files PHASE 1 brought back
@@ -131,12 +133,19 @@ elif [ "$PHASE" = 19 ]; then  # 1 image, 2000 tokens at session 15's settings: o
     timeout 250 python3 scripts/gpu_sustained.py --layout $layout --out "$R/p19-$layout" "${tiny[@]}" $long \
       --workload "1:2000:3:${B12:-21.8:23.4}"
   done
+elif [ "$PHASE" = 20 ]; then  # the planner's model of session 25: a profile, its plans, then aggregated at 4x400
+  REPEATS=3 profile_box
+  timeout 330 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/p20" "${tiny[@]}" $long \
+    --workload "4:400:2:${B4A:-13.6:15.0}"
+elif [ "$PHASE" = 21 ]; then  # EPD colocated at 4x400, the other half of PHASE 20's comparison
+  timeout 330 python3 scripts/gpu_sustained.py --layout epd --out "$R/p21" "${tiny[@]}" $long \
+    --workload "4:400:2:${B4E:-15.4:16.8}"
 fi
 rc=$?
 # Few, shallow files come back: the profile, the summaries and a tarball of everything.
 kill %1 2>/dev/null
 cp "$R"/profile.json "$R"/*summary.json "$R"/p[34]/*summary.json "$OUT/" 2>/dev/null
-for d in "$R"/p[5-9]* "$R"/p1[0-9]*; do [ -d "$d" ] && cp "$d/$(ls "$d" | grep summary.json | head -1)" "$OUT/$(basename "$d")-summary.json"; done 2>/dev/null
+for d in "$R"/p[5-9]* "$R"/p1[0-9]* "$R"/p2[0-9]*; do [ -d "$d" ] && cp "$d/$(ls "$d" | grep summary.json | head -1)" "$OUT/$(basename "$d")-summary.json"; done 2>/dev/null
 tar czf "$OUT/issue14-phase$PHASE.tgz" -C /tmp issue14 && rm -f "$OUT/partial.tgz"
 ls "$OUT"
 exit $rc
