@@ -9,13 +9,17 @@ continuous batching:
 - Requests spread evenly: each generator gets r = R/G requests/s, each
   encoder R*I/E images/s.
 - An encoder is a greedy batch server: each forward takes what queued
-  during the last one, so in steady state it runs the smallest batch b
-  whose forward lasts no longer than b images take to arrive
-  (lambda * T(b) <= b; at least one request's images, which arrive
-  together; at most its token budget), busy lambda * T(b) / b of the
-  time. No such batch: it cannot keep up. T is read at the generator's
-  busy share where its GPU also runs one (profile.py: alone at 0, beside
-  at 1, the half-duty figure between), alone otherwise.
+  during the last one (a request's images arrive together; at most its
+  token budget). With Poisson arrivals of lambda requests/s the mean batch
+  after a forward of T seconds is I * (lambda*T + exp(-lambda*T)) (none
+  queued: it waits for the next request), and the mean forward solves
+  T = T(that batch); busy T / (T + exp(-lambda*T)/lambda). No solution, or
+  more images than a batch at the token budget serves: it cannot keep up.
+  (The fluid limit, lambda_images * T(b) = b, called it busy ~1 as soon as
+  a batch outgrew one request; measured 0.67-0.90: docs/benchmarks.md,
+  session 25.) T is read at the generator's busy share where its GPU also
+  runs one (profile.py: alone at 0, beside at 1, the half-duty figure
+  between), alone otherwise.
 - A generator (generator_model.py) runs mixed steps of a prompt chunk
   that carry the decoding sequences, and decode-only steps in the time
   they leave; TPOT is the time between steps, the decode batch follows by
@@ -44,6 +48,7 @@ from pipeline.planner.profile import Profile, vision_batch_s
 LAYOUT_KINDS = ("aggregated", "colocated", "dedicated")
 TEMPLATE_TOKENS = 20  # chat-template tokens around a user turn (about 20 in the templates served today)
 RATE_CEILING = 1e5
+MAX_FORWARD_S = 60.0  # a mean vision forward this long means the encoder fell behind
 
 
 @dataclass(frozen=True)
@@ -146,25 +151,40 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
         return {"gpu": gpu, "busy": 0.0, "batch": 0.0, "latency_s": 0.0, "stable": True}
     crowd = encoder_gpus.count(gpu)  # encoders sharing a GPU split it
     beside = min(1.0, generator_busy) if gpu in generator_gpus else 0.0
-    max_batch = max(1, profile.limits.encoder_max_batch_tokens // workload.image_tokens)
+    max_batch = float(max(1, profile.limits.encoder_max_batch_tokens // workload.image_tokens))
+    group = min(max_batch, max(1, workload.images))   # a request's images arrive together
+    requests_per_s = rate / layout.encoders
 
     def forward_s(batch: float) -> float:
         return crowd * vision_batch_s(profile, workload.image_tokens, batch, share=beside)
 
-    # A greedy batch server: each forward takes what queued during the last
-    # one. A request's images arrive together, so a batch holds at least
-    # one request's. It keeps up at the smallest batch whose forward lasts
-    # no longer than that batch takes to arrive (lambda * T(b) <= b); no
-    # such batch within its token budget: the queue grows.
-    batch = float(min(max_batch, max(1, workload.images)))
-    while images_per_s * forward_s(batch) > batch and batch < max_batch:
-        batch = min(float(max_batch), batch * 1.02)
-    stable = images_per_s * forward_s(batch) <= batch
-    busy = min(1.0, images_per_s * forward_s(batch) / batch)
-    # A forward in progress delays the next batch by up to one forward; the
-    # queue grows as busy -> 1.
-    latency = forward_s(batch) * (1.0 + busy / (2.0 * max(0.05, 1.0 - busy)))
-    return {"gpu": gpu, "busy": busy, "batch": batch, "latency_s": latency, "stable": stable}
+    def batch_after(forward: float) -> float:
+        """A greedy batch server's next batch: what queued during a forward,
+        N ~ Poisson(lambda*T) requests; none, and it waits for the next one.
+        Mean: group * E[max(1, N)] = group * (lambda*T + exp(-lambda*T))."""
+        queued = requests_per_s * forward
+        return min(max_batch, group * (queued + math.exp(-queued)))
+
+    # The mean forward T solves T = T(batch_after(T)). While the encoder
+    # keeps up, a forward grows more slowly than the images queuing behind
+    # it, so there is one crossing (bisection); none below MAX_FORWARD_S:
+    # the queue grows.
+    low, high = forward_s(group), MAX_FORWARD_S
+    if forward_s(batch_after(high)) > high:
+        return {"gpu": gpu, "busy": 1.0, "batch": max_batch, "latency_s": math.inf, "stable": False}
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if forward_s(batch_after(middle)) > middle else (low, middle)
+    forward = high
+    batch = batch_after(forward)
+    # Uncapped, a batch of group * (lambda*T + exp(-lambda*T)) a cycle of
+    # T + exp(-lambda*T)/lambda serves exactly the arrivals; at the token
+    # budget's cap it may not.
+    stable = images_per_s * forward <= batch * (1 + 1e-9)
+    idle = math.exp(-requests_per_s * forward) / requests_per_s   # after a forward that found none queued
+    busy = forward / (forward + idle) if stable else 1.0
+    # An image waits for the forward in progress (up to one), then its own.
+    return {"gpu": gpu, "busy": busy, "batch": batch, "latency_s": forward * (1.0 + busy), "stable": stable}
 
 
 def _generator(profile: Profile, workload: Workload, layout: Layout, gpu: int, encoder_gpus: list[int],
