@@ -62,3 +62,23 @@ def test_each_measured_maximum_is_set_beside_the_planners():
             measured, predicted = by_key[(source, 128, layout, "4img-400tok")]
             assert abs(predicted / measured - 1) <= 0.25, (source, layout, measured, predicted)
     assert any(row.startswith("mean absolute error") for row in rows)
+
+
+def test_what_if_starts_from_the_planners_own_figures():
+    """The first row is the planner's prediction for the profile as it is;
+    less interference between the colocated stages never lowers colocated,
+    and leaves aggregated (no stage beside it) unchanged."""
+    from pipeline.planner.capacity import Layout, Workload, predict
+    from pipeline.planner.profile import image_tokens, load_profile
+
+    rows = [row.rsplit(None, 3) for row in run_script("planner_what_if.py", PROFILE)]
+    assert len(rows) == 8
+    profile = load_profile(PROFILE)
+    load = Workload(4, image_tokens(profile, 640, 640), 400, 150)
+    name, aggregated, colocated, _ = rows[0]
+    assert name == "the profile as measured"
+    assert float(aggregated) == pytest.approx(predict(profile, load, Layout(0, 1, "aggregated", 1)).max_rate, abs=0.01)
+    assert float(colocated) == pytest.approx(predict(profile, load, Layout(1, 1, "colocated", 1)).max_rate, abs=0.01)
+    less = [row for row in rows if row[0].startswith("interference")]
+    assert [float(row[1]) for row in less] == [float(aggregated)] * 3
+    assert float(colocated) <= float(less[0][2]) <= float(less[1][2]) <= float(less[2][2])
