@@ -18,7 +18,7 @@ from pipeline.planner.capacity import Layout, Workload, candidate_layouts, evalu
 from pipeline.planner.generator_model import vision_pieces_s
 from pipeline.planner.profile import (
     FORMAT, DecodePoint, PrefillPoint, Profile, ProfileError, VisionPoint,
-    decode_step_s, interpolate, load_profile, prefill_line, save_profile, vision_batch_s)
+    decode_step_s, interpolate, load_profile, prefill_line, save_profile, vision_batch_s, vision_curve)
 
 def text_only(input_len: int = 400, output_len: int = 150, slo_tpot_s: float = 0.05,
               slo_ttft_s: float = 2.0) -> Workload:

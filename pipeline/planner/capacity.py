@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 
 from pipeline.launch.placement import place_stages
 from pipeline.planner.generator_model import GeneratorLoad, serve
-from pipeline.planner.profile import Profile, vision_batch_s
+from pipeline.planner.profile import Profile, vision_curve
 
 LAYOUT_KINDS = ("aggregated", "colocated", "dedicated")
 TEMPLATE_TOKENS = 20  # chat-template tokens around a user turn (about 20 in the templates served today)
@@ -155,8 +155,10 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
     group = min(max_batch, max(1, workload.images))   # a request's images arrive together
     requests_per_s = rate / layout.encoders
 
+    curve = vision_curve(profile, workload.image_tokens, share=beside)
+
     def forward_s(batch: float) -> float:
-        return crowd * vision_batch_s(profile, workload.image_tokens, batch, share=beside)
+        return crowd * curve(batch)
 
     def batch_after(forward: float) -> float:
         """A greedy batch server's next batch: what queued during a forward,
@@ -172,7 +174,7 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
     low, high = forward_s(group), MAX_FORWARD_S
     if forward_s(batch_after(high)) > high:
         return {"gpu": gpu, "busy": 1.0, "batch": max_batch, "latency_s": math.inf, "stable": False}
-    for _ in range(100):
+    for _ in range(64):   # 60 s / 2**64: far below any forward
         middle = (low + high) / 2
         low, high = (middle, high) if forward_s(batch_after(middle)) > middle else (low, middle)
     forward = high

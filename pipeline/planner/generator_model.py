@@ -32,10 +32,11 @@ work MPS overlaps with a compute-bound vision forward.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.models.vision_graphs import plan_pieces
-from pipeline.planner.profile import Profile, decode_step_s, prefill_line, vision_batch_s
+from pipeline.planner.profile import Profile, decode_curve, prefill_line, vision_curve
 
 ITERATIONS = 400
 MAX_STEP_S = 60.0  # a step this long means the fixed point diverged
@@ -56,18 +57,19 @@ class GeneratorLoad:
     encoder_share: float  # encoders' busy share on its GPU
 
 
-def vision_pieces_s(profile: Profile, tokens: int, images: float) -> float:
+def vision_pieces_s(forward: Callable[[float], float], graphs: int, images: float) -> float:
     """Vision seconds for `images` images of one size, run as the stages run
-    them: power-of-two graph pieces when the profile's stages capture
-    graphs (models/vision_graphs.py), one forward otherwise; a fractional
-    count blends the two whole counts around it."""
+    them: power-of-two graph pieces of at most `graphs` images when the
+    stages capture graphs (models/vision_graphs.py), one forward otherwise;
+    `forward` is the forward's time by batch (profile.vision_curve). A
+    fractional count blends the two whole counts around it."""
     def whole(count: int) -> float:
         if count == 0:
             return 0.0
-        if profile.vision_graphs < 1:
-            return vision_batch_s(profile, tokens, count)
-        pieces = plan_pieces([(1, 1, 1)] * count, profile.vision_graphs)   # one grid: only the sizes matter
-        return sum(vision_batch_s(profile, tokens, len(indices)) for _, indices in pieces)
+        if graphs < 1:
+            return forward(count)
+        pieces = plan_pieces([(1, 1, 1)] * count, graphs)   # one grid: only the sizes matter
+        return sum(forward(len(indices)) for _, indices in pieces)
     low = math.floor(images)
     return (1 - (images - low)) * whole(low) + (images - low) * whole(low + 1)
 
@@ -97,7 +99,7 @@ def serve(profile: Profile, load: GeneratorLoad) -> dict:
 
 
 class _Costs:
-    """The load's step costs, read from the profile once."""
+    """The load's step costs, the profile's curves read once."""
 
     def __init__(self, profile: Profile, load: GeneratorLoad) -> None:
         self.profile, self.load = profile, load
@@ -106,14 +108,16 @@ class _Costs:
         self.prefill_fixed, self.per_token = crowd * intercept, crowd * per_token
         self.context_scale = (load.prompt_tokens + load.output_len / 2) / profile.decode_context_len
         self.share = share
+        self.decode_alone, self.decode_beside = decode_curve(profile), decode_curve(profile, share)
+        self.first_alone, self.first_beside = self.decode_alone(1), self.decode_beside(1)
+        self.vision = vision_curve(profile, load.image_tokens)
 
     def decode_only(self, batch: float) -> float:
-        first = decode_step_s(self.profile, 1, self.share)
-        grows = decode_step_s(self.profile, batch, self.share) - first
-        return self.load.crowd * (first + max(0.0, grows) * self.context_scale)
+        grows = self.decode_beside(batch) - self.first_beside
+        return self.load.crowd * (self.first_beside + max(0.0, grows) * self.context_scale)
 
     def rows(self, batch: float) -> float:
-        grows = decode_step_s(self.profile, batch) - decode_step_s(self.profile, 1)
+        grows = self.decode_alone(batch) - self.first_alone
         return self.load.crowd * max(0.0, grows) * self.context_scale
 
     def vision_per_image(self, images_per_chunk: float) -> float:
@@ -121,7 +125,7 @@ class _Costs:
         if not load.inline_vision or load.images == 0:
             return 0.0
         per_step = max(1.0, min(self.profile.limits.local_encode_tokens // load.image_tokens, images_per_chunk))
-        return load.crowd * vision_pieces_s(self.profile, load.image_tokens, per_step) / per_step
+        return load.crowd * vision_pieces_s(self.vision, self.profile.vision_graphs, per_step) / per_step
 
     def steps(self, batch: float, room: float, last_chunk: float | None) -> dict:
         """The steps a second at this decode batch, with `room` prompt tokens

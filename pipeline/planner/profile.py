@@ -16,6 +16,7 @@ with the field's path in the message, never half-read.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -151,14 +152,22 @@ def _time(point, share: float) -> float:
     return interpolate(knots, min(1.0, share))
 
 
-def decode_step_s(profile: Profile, batch: float, share: float = 0.0) -> float:
-    """One decode step of `batch` sequences, the other side busy `share` of
-    the time; never below the cheapest step measured (a noisy curve that
-    falls must not reach zero)."""
+def decode_curve(profile: Profile, share: float = 0.0) -> Callable[[float], float]:
+    """Seconds of one decode step by its batch, the other side busy `share`
+    of the time; never below the cheapest step measured (a noisy curve that
+    falls must not reach zero). The points are read once: the planner
+    reads a curve thousands of times a plan."""
     points = sorted((p.batch, _time(p, share)) for p in profile.decode)
     if len(points) == 1:
-        return points[0][1]
-    return max(min(y for _, y in points), interpolate(points, max(1.0, batch)))
+        only = points[0][1]
+        return lambda batch: only
+    cheapest = min(y for _, y in points)
+    return lambda batch: max(cheapest, interpolate(points, max(1.0, batch)))
+
+
+def decode_step_s(profile: Profile, batch: float, share: float = 0.0) -> float:
+    """One decode step of `batch` sequences (decode_curve)."""
+    return decode_curve(profile, share)(batch)
 
 
 def prefill_line(profile: Profile, share: float = 0.0) -> tuple[float, float]:
@@ -178,8 +187,9 @@ def prefill_line(profile: Profile, share: float = 0.0) -> tuple[float, float]:
     return intercept, per_token
 
 
-def vision_batch_s(profile: Profile, tokens: int, batch: float, share: float = 0.0) -> float:
-    """One vision forward of `batch` images of `tokens` visual tokens each.
+def vision_curve(profile: Profile, tokens: int, share: float = 0.0) -> Callable[[float], float]:
+    """Seconds of one vision forward by its batch of images of `tokens`
+    visual tokens each, the other side busy `share` of the time.
 
     Measured at a few image sizes and batches. Forward time is taken as a
     function of the batch's visual tokens (images x tokens): that is what
@@ -189,7 +199,13 @@ def vision_batch_s(profile: Profile, tokens: int, batch: float, share: float = 0
     merged: dict[float, float] = {}
     for x, y in points:  # two sizes at one token count: keep their mean
         merged[x] = (merged[x] + y) / 2 if x in merged else y
-    return interpolate(sorted(merged.items()), max(1.0, batch) * tokens)
+    curve = sorted(merged.items())
+    return lambda batch: interpolate(curve, max(1.0, batch) * tokens)
+
+
+def vision_batch_s(profile: Profile, tokens: int, batch: float, share: float = 0.0) -> float:
+    """One vision forward of `batch` images of `tokens` visual tokens each (vision_curve)."""
+    return vision_curve(profile, tokens, share)(batch)
 
 
 def image_tokens(profile: Profile, width: int, height: int) -> int:
