@@ -135,6 +135,8 @@ elif [ "$PHASE" = 19 ]; then  # 1 image, 2000 tokens at session 15's settings: o
   done
 elif [ "$PHASE" = 20 ]; then  # the planner's model of session 25: a profile, its plans, then aggregated at 4x400
   REPEATS=3 profile_box
+  python3 scripts/planner_vs_maxima.py "$R/profile.json" docs/results/h200-sustained-paced-2026-12-03.json \
+    docs/results/h200-sustained-1img-2026-12-03-s16.json docs/results/h200-sustained-4x400-2026-12-04-s23.json
   timeout 330 python3 scripts/gpu_sustained.py --layout aggregated --out "$R/p20" "${tiny[@]}" $long \
     --workload "4:400:2:${B4A:-13.6:15.0}"
 elif [ "$PHASE" = 21 ]; then  # EPD colocated at 4x400, the other half of PHASE 20's comparison
