@@ -140,14 +140,17 @@ class _Costs:
         variable = r * P * self.per_token + r * load.images * vision   # share of the time, whatever k is
         if variable >= 1:
             return {"failed": "generator", "busy": 1.0}
+        def mixed_step_s(chunk: float) -> float:
+            return fixed + chunk * self.per_token + load.images * chunk / P * vision
+
         chunk = min(room, max(min(P, room), r * P * fixed / (1 - variable)))
-        mixed_s = fixed + chunk * self.per_token + load.images * chunk / P * vision
+        mixed_s = mixed_step_s(chunk)
         mixed = r * P / chunk   # mixed steps a second
         busy = mixed * mixed_s
         if busy > 1 + 1e-9:
             return {"failed": "generator", "busy": 1.0}
         step = 1 / (mixed + max(0.0, 1 - busy) / self.decode_only(batch))
-        full = r * P / room * (fixed + room * self.per_token + load.images * room / P * vision)
+        full = r * P / room * mixed_step_s(room)   # the share of the time full chunks would take
         return {"step_s": step, "decode_batch": batch, "busy": min(1.0, busy), "chunk": chunk,
                 "mixed_step_s": mixed_s, "prompt_load": full, "encoder_busy_beside": self.share}
 
