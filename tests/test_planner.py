@@ -18,7 +18,8 @@ from pipeline.planner.capacity import Layout, Workload, candidate_layouts, evalu
 from pipeline.planner.generator_model import vision_pieces_s
 from pipeline.planner.profile import (
     FORMAT, DecodePoint, PrefillPoint, Profile, ProfileError, VisionPoint,
-    decode_step_s, interpolate, load_profile, prefill_line, save_profile, vision_batch_s, vision_curve)
+    decode_step_s, interpolate, load_profile, prefill_line, save_profile, vision_batch_s, vision_curve,
+    vision_load_duty)
 
 def text_only(input_len: int = 400, output_len: int = 150, slo_tpot_s: float = 0.05,
               slo_ttft_s: float = 2.0) -> Workload:
@@ -209,6 +210,34 @@ def test_an_encoder_that_bounds_the_rate_is_reported_nearly_busy():
     prediction = predict(make_profile(image_s=0.4, vision_beside=3.0), load, Layout(1, 1, "colocated", 1))
     assert prediction.bound == "encoder"
     assert prediction.detail["encoders"][0]["busy"] > 0.95
+
+
+def test_the_generator_is_read_at_the_duty_of_the_vision_load_doing_the_encoders_work():
+    """Colocated, the generator's costs are read at the duty of the profile's
+    vision load (8-image forwards, back to back, each 1.5x its alone time
+    beside a generator: 8t of work in 12t) that does the encoder's vision
+    work a second, not at the encoder's busy share. Here a 1-image forward
+    takes 4x its alone time beside the generator, as small forwards did on
+    the H200 (3.8x, against 1.6x at 8 images): at 30 req/s of one image the
+    encoder works lambda*t = 0.06 s a second, duty 0.06 * 12t/8t = 0.09,
+    while it is busy about twice that, waiting on the GPU."""
+    t = 0.002
+    base = make_profile(d0=0.004, t_p=2e-5, image_s=t, generator_beside=2.0)
+    profile = msgspec.structs.replace(base, vision=[VisionPoint(448, 448, IMAGE_TOKENS, 1, t, 4 * t),
+                                                    VisionPoint(448, 448, IMAGE_TOKENS, 8, 8 * t, 12 * t)])
+    assert vision_load_duty(profile, 0.1) == pytest.approx(0.15)
+    assert vision_load_duty(profile, 0.9) == 1.0   # no more than the load back to back
+    load = Workload(images=1, image_tokens=IMAGE_TOKENS, input_len=1000, output_len=20, slo_ttft_s=1e6,
+                    slo_tpot_s=10)
+    result = evaluate(profile, load, Layout(1, 1, "colocated", 1), 30.0)
+    encoder, generator = result.detail["encoders"][0], result.detail["generators"][0]
+    assert result.failed is None
+    assert encoder["work"] == pytest.approx(30.0 * t)
+    assert generator["encoder_duty"] == pytest.approx(0.09)
+    assert encoder["busy"] > 2 * generator["encoder_duty"]
+    # Text only: no vision work, the generator is read alone.
+    text = evaluate(profile, Workload(0, IMAGE_TOKENS, 1000, 20, 1e6, 10), Layout(1, 1, "colocated", 1), 30.0)
+    assert text.detail["generators"][0]["encoder_duty"] == 0.0
 
 
 def test_a_falling_decode_curve_does_not_crash_the_planner():

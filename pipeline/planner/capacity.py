@@ -26,8 +26,11 @@ continuous batching:
   Little's law, and a generator whose mixed steps cannot fit even at full
   chunks falls behind. In aggregated mode its mixed steps also run the
   vision forwards of their chunks' images. On a GPU with encoders its
-  costs are read at the encoders' busy share the same way; stages of one
-  kind sharing a GPU split it.
+  costs are read at the duty of the profile's vision load that does as
+  much vision work a second as they do (their work timed alone), not at
+  their busy share: beside a generator a small forward spends most of its
+  time waiting for the GPU, and presses on it less than it is busy
+  (session 26). Stages of one kind sharing a GPU split it.
 - TTFT = the P99 wait for the generator's prompt throughput + the encode
   latency + the prompt's chunks.
 
@@ -43,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 
 from pipeline.launch.placement import place_stages
 from pipeline.planner.generator_model import GeneratorLoad, serve
-from pipeline.planner.profile import Profile, vision_curve
+from pipeline.planner.profile import Profile, vision_curve, vision_load_duty
 
 LAYOUT_KINDS = ("aggregated", "colocated", "dedicated")
 TEMPLATE_TOKENS = 20  # chat-template tokens around a user turn (about 20 in the templates served today)
@@ -148,7 +151,7 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
              generator_gpus: list[int], rate: float, generator_busy: float) -> dict:
     images_per_s = rate * workload.images / layout.encoders
     if images_per_s == 0:
-        return {"gpu": gpu, "busy": 0.0, "batch": 0.0, "latency_s": 0.0, "stable": True}
+        return {"gpu": gpu, "busy": 0.0, "batch": 0.0, "latency_s": 0.0, "stable": True, "work": 0.0}
     crowd = encoder_gpus.count(gpu)  # encoders sharing a GPU split it
     beside = min(1.0, generator_busy) if gpu in generator_gpus else 0.0
     max_batch = float(max(1, profile.limits.encoder_max_batch_tokens // workload.image_tokens))
@@ -156,6 +159,7 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
     requests_per_s = rate / layout.encoders
 
     curve = vision_curve(profile, workload.image_tokens, share=beside)
+    alone = vision_curve(profile, workload.image_tokens)
 
     def forward_s(batch: float) -> float:
         return crowd * curve(batch)
@@ -173,7 +177,8 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
     # the queue grows.
     low, high = forward_s(group), MAX_FORWARD_S
     if forward_s(batch_after(high)) > high:
-        return {"gpu": gpu, "busy": 1.0, "batch": max_batch, "latency_s": math.inf, "stable": False}
+        return {"gpu": gpu, "busy": 1.0, "batch": max_batch, "latency_s": math.inf, "stable": False,
+                "work": images_per_s * alone(max_batch) / max_batch}
     for _ in range(64):   # 60 s / 2**64: far below any forward
         middle = (low + high) / 2
         low, high = (middle, high) if forward_s(batch_after(middle)) > middle else (low, middle)
@@ -185,17 +190,19 @@ def _encoder(profile: Profile, workload: Workload, layout: Layout, gpu: int, enc
     stable = images_per_s * forward <= batch * (1 + 1e-9)
     idle = math.exp(-requests_per_s * forward) / requests_per_s   # after a forward that found none queued
     busy = forward / (forward + idle) if stable else 1.0
+    work = images_per_s * alone(batch) / batch   # seconds of vision work a second, timed alone
     # An image waits for the forward in progress (up to one), then its own.
-    return {"gpu": gpu, "busy": busy, "batch": batch, "latency_s": forward * (1.0 + busy), "stable": stable}
+    return {"gpu": gpu, "busy": busy, "batch": batch, "latency_s": forward * (1.0 + busy), "stable": stable,
+            "work": work}
 
 
 def _generator(profile: Profile, workload: Workload, layout: Layout, gpu: int, encoder_gpus: list[int],
                generator_gpus: list[int], encoders: list[dict], rate: float) -> dict:
-    encoder_busy = min(1.0, sum(e["busy"] for e, g in zip(encoders, encoder_gpus) if g == gpu))
+    work = sum(e["work"] for e, g in zip(encoders, encoder_gpus) if g == gpu)
     load = GeneratorLoad(rate=rate / layout.generators, prompt_tokens=workload.prompt_tokens,
                          output_len=workload.output_len, images=workload.images,
                          image_tokens=workload.image_tokens, inline_vision=layout.placement == "aggregated",
-                         crowd=generator_gpus.count(gpu), encoder_share=encoder_busy)
+                         crowd=generator_gpus.count(gpu), encoder_share=vision_load_duty(profile, work))
     out = {"gpu": gpu, **serve(profile, load)}
     if out.get("failed"):
         return out

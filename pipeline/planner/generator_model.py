@@ -24,9 +24,10 @@ aggregated by up to 30%.)
 
 TTFT is the P99 wait of an M/M/1 queue whose server is the prompt
 throughput at full chunks, plus the prompt's own chunks. On a GPU with
-encoders, the prefill and decode curves are read at the encoders' busy
-share (profile.py); the rows are read alone: they are memory-bound, the
-work MPS overlaps with a compute-bound vision forward.
+encoders, the prefill and decode curves are read at the duty of the
+profile's vision load that presses as hard as those encoders' work
+(profile.vision_load_duty); the rows are read alone: they are
+memory-bound, the work MPS overlaps with a compute-bound vision forward.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class GeneratorLoad:
     image_tokens: int
     inline_vision: bool  # aggregated: vision forwards run inside its steps
     crowd: int  # generators on its GPU
-    encoder_share: float  # encoders' busy share on its GPU
+    encoder_share: float  # the vision load's duty that presses on it as its GPU's encoders do (0 to 1)
 
 
 def vision_pieces_s(forward: Callable[[float], float], graphs: int, images: float) -> float:
@@ -152,7 +153,7 @@ class _Costs:
         step = 1 / (mixed + max(0.0, 1 - busy) / self.decode_only(batch))
         full = r * P / room * mixed_step_s(room)   # the share of the time full chunks would take
         return {"step_s": step, "decode_batch": batch, "busy": min(1.0, busy), "chunk": chunk,
-                "mixed_step_s": mixed_s, "prompt_load": full, "encoder_busy_beside": self.share}
+                "mixed_step_s": mixed_s, "prompt_load": full, "encoder_duty": self.share}
 
     def ttft_s(self, found: dict) -> float:
         """P99 wait for the prompt server (its load: the share of the time

@@ -7,7 +7,7 @@ beside it.
 generator: a loaded generator's steps: 32 sequences decoding while a new
 1500-token prompt is prefilled in every step (mixed steps, as under load:
 it fits the default 2048-token budget beside the decodes).
-vision: vision forwards of 8 images of --width x --height.
+vision: vision forwards of LOAD_VISION_BATCH (8) images of --width x --height.
 --duty F: busy F of the time (after each unit of work it idles
 (1/F - 1) times as long); 1 runs back to back. Prints READY once the loop
 runs; SIGTERM stops it.
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from pipeline.planner.measure import READY, Box, MeasureSettings
+from pipeline.planner.profile import LOAD_VISION_BATCH
 
 DECODING = 32
-VISION_BATCH = 8
 PREFILL = 1500
 DECODE_TOKENS = 1024
 
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
                                vision_graphs=args.vision_graphs, beside=False)
     box = Box(settings, vision=args.role == "vision", engine=args.role == "generator")
     if args.role == "vision":
-        pixels, grids = box.vision_input(args.width, args.height, VISION_BATCH)
+        pixels, grids = box.vision_input(args.width, args.height, LOAD_VISION_BATCH)
         work = lambda: box.vision(pixels, grids)  # noqa: E731
     else:
         decoding: set[str] = set()

@@ -23,6 +23,7 @@ from typing import Annotated
 import msgspec
 
 FORMAT = "epd-profile/1"
+LOAD_VISION_BATCH = 8  # images per forward of the profile's vision load (planner/load.py)
 
 
 Count = Annotated[int, msgspec.Meta(ge=1)]
@@ -206,6 +207,22 @@ def vision_curve(profile: Profile, tokens: int, share: float = 0.0) -> Callable[
 def vision_batch_s(profile: Profile, tokens: int, batch: float, share: float = 0.0) -> float:
     """One vision forward of `batch` images of `tokens` visual tokens each (vision_curve)."""
     return vision_curve(profile, tokens, share)(batch)
+
+
+def vision_load_duty(profile: Profile, pressure: float) -> float:
+    """The duty of the profile's vision load that presses on a generator as
+    hard as encoders doing `pressure` seconds of vision work (timed alone)
+    each second. The generator's figures "beside" were timed next to a loop
+    of LOAD_VISION_BATCH-image forwards: each of them did alone/beside of
+    its wall time's work (its forwards slowed beside the generator), so
+    duty 1 is that much work a second. An encoder's busy share is no
+    measure of the same thing: a small forward waits out much of its time
+    beside the generator (a 1-image forward took 3.8x its alone time, an
+    8-image one 1.6x; session 15's profile), pressing less than it is busy."""
+    tokens = profile.vision[0].tokens   # the load ran at the first size measured (measure.py)
+    alone = vision_batch_s(profile, tokens, LOAD_VISION_BATCH)
+    beside = vision_batch_s(profile, tokens, LOAD_VISION_BATCH, share=1.0)
+    return min(1.0, pressure * beside / alone)
 
 
 def image_tokens(profile: Profile, width: int, height: int) -> int:
