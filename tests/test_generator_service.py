@@ -181,6 +181,10 @@ def test_a_request_the_engine_refuses_is_answered_with_a_400_and_not_tracked(har
     assert address == PROXY and delta.finish_reason == "error" and delta.status == 400
     assert "image keys" in delta.error and "bad" not in harness.service.requests
     assert harness.service.counters["errors"] == 1
+    # Its image comes later: given back unread, not copied and held for it.
+    harness.turn(harness.announce())
+    assert released(harness.turn(harness.ready("bad", "k"))) == ["lease-bad-k"]
+    assert harness.service.counters["embeddings"] == 0 and len(harness.service.early) == 0
 
 
 def test_an_embedding_is_copied_out_of_the_arena_and_its_lease_given_back(harness, store):
@@ -259,6 +263,9 @@ def test_an_abort_before_its_request_drops_the_request_when_it_comes(harness):
     assert harness.turn(protocol.AbortRequest(("r1",))) == []
     assert harness.turn(generate("r1")) == [] and harness.engine.requests == {}
     assert harness.service.counters["requests"] == 0
+    harness.turn(harness.announce())     # an image of the dropped request, late: given back unread
+    assert released(harness.turn(harness.ready("r1", "k"))) == ["lease-r1-k"]
+    assert harness.service.counters["embeddings"] == 0 and len(harness.service.early) == 0
     harness.engine.script = [[output("r2", 7)]]
     harness.turn(generate("r2"))
     harness.turn(protocol.AbortRequest(("r2",)))

@@ -177,11 +177,13 @@ class GeneratorService:
     def on_generate(self, req: protocol.GenerateRequest, inputs: list | None = None, error: str = "") -> None:
         early = self.early.claim(req.request_id)
         if self.requests.was_aborted(req.request_id):
+            self.requests.end(req.request_id)   # its late embeddings are given back unread
             return
         self.counters["requests"] += 1
         try:
             self._add_request(req, inputs, error)
         except ValueError as exc:
+            self.requests.end(req.request_id)
             self.send(req.reply_to, protocol.TokenDelta(req.request_id, (), "", True, "error", error=str(exc),
                                                         status=400))
             self.counters["errors"] += 1
