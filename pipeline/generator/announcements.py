@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from pipeline import protocol
-from pipeline.generator.intake import on_embedding
+from pipeline.generator.intake import on_embedding, settle_copies_from
 
 log = logging.getLogger("epd.generator")
 
@@ -16,6 +16,7 @@ def on_announce(service, message: protocol.EncoderAnnounce) -> None:
     service.encoder_addresses[message.encoder_id] = message.address
     previous = service.encoder_arenas.get(message.encoder_id)
     if previous is not None and previous != message.arena.arena_id:
+        settle_copies_from(service, previous)
         service.reader.close_arena(previous)  # the encoder restarted: its old arena is gone
     try:
         service.reader.open(message.arena)

@@ -82,9 +82,21 @@ def finish_copies(service) -> None:
     service.copies = still
 
 
+def settle_copies_from(service, arena_id: str) -> None:
+    """Wait for the copies still reading `arena_id`, then check and release
+    them: the arena is about to be unmapped (its encoder restarted with a
+    new one), and a copy's check reads the arena's generations."""
+    for pending, ready, _ in service.copies:
+        if ready.handle.arena_id == arena_id:
+            pending.wait()
+    finish_copies(service)
+
+
 def give_everything_back(service) -> None:
     """On stop: every lease back, the copies in flight waited for."""
     for ready in service.parking.drop_gone(lambda _: True):
+        service.release(ready)
+    for ready, _ in service.waiting_for_arena.take_all():
         service.release(ready)
     for pending, _, _ in service.copies:
         pending.wait()
