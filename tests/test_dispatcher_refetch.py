@@ -58,6 +58,25 @@ def test_a_lost_embedding_is_encoded_again_by_a_live_encoder_from_the_kept_media
     asyncio.run(scenario())
 
 
+def test_an_encoder_that_goes_down_has_only_the_jobs_still_needed_sent_again():
+    """Down, its jobs go to a live encoder for requests with no token yet;
+    a request that is decoding has read its embeddings: its job is not
+    encoded again (and pinned at the generator) as capacity drops."""
+    async def scenario():
+        async with dispatching(encoders=ENCODERS) as (dispatcher, stages):
+            first, second = encoder_order("k", list(ENCODERS))
+            dispatcher.submit(work("decoding", max_tokens=4))
+            dispatcher.submit(work("waiting", max_tokens=4))
+            assert sorted(j.request_id for j in jobs_at(stages, first)) == ["decoding", "waiting"]
+            dispatcher._on_message(protocol.TokenDelta("decoding", (5,), "x"))
+            mark_down(dispatcher, first)
+            dispatcher._handle_down_stages()
+            assert [j.request_id for j in jobs_at(stages, second)] == ["waiting"]
+            assert {"decoding", "waiting"} <= set(dispatcher.flights)
+
+    asyncio.run(scenario())
+
+
 def test_a_wanted_embedding_goes_past_the_encoder_that_went_silent_on_it_unless_there_is_no_other():
     async def scenario():
         async with dispatching(encoders=ENCODERS, stage_timeout=60) as (dispatcher, stages):

@@ -303,7 +303,8 @@ class Dispatcher:
             for flight in list(self.flights.values()):
                 for job in flight.work.jobs:
                     tried = flight.encoders.get(job.job_id, [])
-                    if tried and not self.up(tried[-1]) and tried[-1] in self.last_seen:
+                    if (tried and not self.up(tried[-1]) and tried[-1] in self.last_seen
+                            and self._job_needed(flight, job)):
                         self._send_job(flight, job, tried)
 
     def _redispatch(self, flight: Flight, exclude_current: bool = True) -> None:
@@ -349,9 +350,15 @@ class Dispatcher:
             elif not self.aggregated:
                 for job in flight.work.jobs:
                     tried = flight.encoders.get(job.job_id, [])
-                    needed = flight.first_token_at is None or job.job_id in flight.wanted
-                    if needed and tried and tried[-1] == address:
+                    if tried and tried[-1] == address and self._job_needed(flight, job):
                         self._send_job(flight, job, tried[:-1])
+
+    @staticmethod
+    def _job_needed(flight: Flight, job: protocol.EncodeJob) -> bool:
+        """Whether the generator may still need the job's embedding: none
+        before the request's first token (its prefill has not ended), and
+        after it only one it asked for again (a preemption evicted it)."""
+        return flight.first_token_at is None or job.job_id in flight.wanted
 
     def _finish_lost(self, flight: Flight) -> None:
         request = flight.work.request
