@@ -12,6 +12,7 @@ import time
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from pipeline import protocol
 from pipeline.proxy.api_types import NOT_YET_SUPPORTED, parse_body
 from pipeline.proxy.requests import completion_work
 from stages.proxy import build_app, parse_args
@@ -167,6 +168,30 @@ def test_an_internal_failure_is_a_json_500_that_leaks_nothing(tiny_dir, tmp_path
         assert body["error"]["type"] == "InternalServerError" and "boom-1" in body["error"]["message"]
         assert "hunter2" not in await r.text() and "Traceback" not in await r.text()
         assert (await client.get("/v1/models")).status == 200   # and it goes on serving
+
+    serve(tiny_dir, tmp_path, scenario=scenario)
+
+
+def test_a_failure_after_a_request_was_sent_on_aborts_it_at_its_generator(tiny_dir, tmp_path):
+    async def scenario(client, app):
+        proxy = next(r.handler.__self__ for r in app.router.routes()
+                     if getattr(r.handler, "__name__", "") == "chat")
+        dispatcher = proxy.dispatcher
+        dispatcher.last_seen[dispatcher.generators[0]] = time.monotonic() + 3600   # up
+        submit, abort, aborted = dispatcher.submit, dispatcher.abort, []
+
+        def answered(work):
+            flight = submit(work)
+            flight.deltas.put_nowait(protocol.TokenDelta(work.request.request_id, (5,), "x"))
+            return flight
+
+        async def broken(*args):
+            raise RuntimeError("a bug while answering")
+
+        dispatcher.submit, proxy._whole = answered, broken
+        dispatcher.abort = lambda rid: aborted.append(rid) or abort(rid)
+        r = await client.post(CHAT, json=chat_body())
+        assert r.status == 500 and len(aborted) == 1 and not dispatcher.flights
 
     serve(tiny_dir, tmp_path, scenario=scenario)
 

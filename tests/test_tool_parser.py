@@ -179,3 +179,10 @@ def test_any_output_parses_without_error_and_streams_the_same_however_split(piec
     if not _broken_after_it_began(text):
         content, calls = whole(text)
         assert one == ((content or None) if calls else content, calls)
+
+
+def test_a_block_nested_past_the_recursion_limit_is_no_call_and_no_crash():
+    deep = '{"name": "f", "arguments": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+    assert parse_block(deep) is None
+    text = f"{START}{deep}{END}"
+    assert whole(text) == (text, [])

@@ -179,6 +179,9 @@ class ProxyApp(ManyChoices):
                 log_aborted(flight, time.monotonic())
             self.metrics.requests.labels("aborted").inc()
             raise
+        except BaseException:
+            self.dispatcher.abort(rid)   # a failure here (a 500): its generator must not run on
+            raise
         finally:
             self._clients.pop(rid, None)
 

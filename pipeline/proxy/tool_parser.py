@@ -36,8 +36,12 @@ _HEADER = ("ws", "{", "ws", '"name"', "ws", ":", "ws", "string", "ws", ",", "ws"
 
 
 def _strict_json(text: str):
-    """json.loads without Python's NaN and Infinity, which are not JSON."""
-    return json.loads(text, parse_constant=_no_constant)
+    """json.loads without Python's NaN and Infinity, which are not JSON; a
+    model's output nested past Python's recursion limit is not a call either."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _no_constant(name: str):
