@@ -80,3 +80,30 @@ def test_stop_strings():
     assert stop_strings("x") == ("x",) and stop_strings(["a", "b"]) == ("a", "b") and stop_strings(None) == ()
     with pytest.raises(ApiError):
         stop_strings([""])
+
+
+def test_one_failed_fetch_cancels_its_siblings(monkeypatch):
+    import pipeline.proxy.requests as requests_module
+
+    started, cancelled = asyncio.Event(), []
+
+    async def fetch(url, policy, session=None, kind="image"):
+        if url == "bad":
+            await started.wait()
+            raise ApiError("cannot fetch bad")
+        started.set()
+        try:
+            await asyncio.sleep(3600)   # a slow download
+        except asyncio.CancelledError:
+            cancelled.append(url)
+            raise
+
+    monkeypatch.setattr(requests_module, "fetch_image", fetch)
+
+    async def scenario():
+        with pytest.raises(ApiError, match="cannot fetch bad"):
+            await requests_module.fetch_all([("image", "bad"), ("image", "slow")], FetchPolicy())
+        await asyncio.sleep(0)   # the cancellation is delivered on the next turn
+        return list(cancelled)   # before asyncio.run cancels what is left
+
+    assert run(scenario()) == ["slow"]

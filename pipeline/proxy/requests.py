@@ -65,6 +65,20 @@ class ModelInfo:
         return name
 
 
+async def fetch_all(media: list[tuple[str, str]], policy: FetchPolicy, session=None) -> list[bytes]:
+    """Each (kind, url)'s bytes, fetched at once. The first failure cancels
+    the rest: a bad URL must not leave its siblings downloading for nobody."""
+    tasks = [asyncio.ensure_future(fetch_image(url, policy, session, kind)) for kind, url in media]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+                # A sibling that fails as it is cancelled is not worth a warning.
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
 async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchPolicy, request_id: str,
                     reply_to: str, session=None) -> Work:
     tools = tool_request(req)
@@ -74,7 +88,7 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     if len(media) > model.max_images:
         raise ApiError(f"too many images and videos: {len(media)} (at most {model.max_images} per request)",
                        param="messages")
-    fetched = await asyncio.gather(*(fetch_image(url, policy, session, kind) for kind, url in media))
+    fetched = await fetch_all(media, policy, session)
     kinds = [kind for kind, _ in media]
     images = [data for kind, data in zip(kinds, fetched) if kind == "image"]
     videos = [data for kind, data in zip(kinds, fetched) if kind == "video"]
