@@ -35,6 +35,7 @@ from pipeline.models.vision_flags import add_vision_graph_flags, check_vision_gr
 from pipeline.processing.image import ImageProcessorConfig
 from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import video_config_of
+from pipeline.watchdog import HangWatchdog, add_hang_timeout_flag
 
 log = logging.getLogger("epd.encoder")
 
@@ -67,6 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-batch-tokens", type=int, default=16384, help="visual tokens per forward")
     add_vision_graph_flags(p)
     p.add_argument("--lease-timeout", type=float, default=30.0, help="seconds without heartbeat")
+    add_hang_timeout_flag(p, "a vision forward, or the event loop,")
     p.add_argument("--decode-threads", type=int, default=4)
     p.add_argument("--announce-to", action="append", default=[], help="inbox to announce to; repeatable")
     add_log_flags(p)
@@ -126,7 +128,7 @@ async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: trans
     service = EncoderService(settings, store, tower, media, image_config, outbox.try_send,
                              decode_pool, compute_pool,
                              stage_vision_forward(tower, device, args, image_config), video_config,
-                             video_media)
+                             video_media, HangWatchdog(args.hang_timeout))
     cleanup.callback(service.lanes.close)
     for address in args.announce_to:
         service.handle_hello(address)

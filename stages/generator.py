@@ -49,6 +49,7 @@ from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import video_config_of
 from pipeline.processing.tokenizer import Tokenizer
 from pipeline.processing.video import VideoOptions
+from pipeline.watchdog import HangWatchdog, add_hang_timeout_flag
 
 log = logging.getLogger("epd.generator")
 
@@ -101,6 +102,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="local: load the vision tower in EPD mode too and encode the jobs the proxy sends here "
                         "while no encoder is up (the proxy needs the same flag)")
     p.add_argument("--embedding-timeout", type=float, default=60.0, help="seconds an image may take")
+    add_hang_timeout_flag(p, "the engine loop")
     p.add_argument("--media-backend", default="auto", help="aggregated mode, fallback encodes: image decoder")
     p.add_argument("--video-backend", default="auto",
                    help="aggregated mode, fallback encodes: video decoder (auto, pyav, dali)")
@@ -186,7 +188,7 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
     # Last: nothing after it may fail and leave the rings' shared memory behind.
     rings = {} if aggregated else ring.create_inbound(args.instance, args.encoders)
     return GeneratorService(engine, args.address, device, send, args.encoders, args.embedding_timeout, decode,
-                            rings=rings, local=local)
+                            rings=rings, local=local, watchdog=HangWatchdog(args.hang_timeout))
 
 
 def fallback_tower(args: argparse.Namespace, model: torch.nn.Module, model_dir: Path, dtype: str,

@@ -23,7 +23,7 @@ from pipeline.arena.index import ArenaBusy, ArenaFull, Entry, State
 from pipeline.arena.store import ArenaStore
 from pipeline.encoder.backpressure import ArenaSpace, decode_room
 from pipeline.encoder.batching import take_batch, temporal_parts
-from pipeline.encoder.profile import profile_line
+from pipeline.encoder.periodic import expiry_loop, profile_loop, watchdog_loop
 from pipeline.encoder.ring_lanes import RingLanes
 from pipeline.encoder.single_flight import SingleFlight
 from pipeline.hashing import content_hash, media_salt
@@ -34,9 +34,9 @@ from pipeline.media.video_probe import VideoDecodeError
 from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
 from pipeline.processing.video import VideoOptions, video_settings_key
 from pipeline.processing.video_config import VideoProcessorConfig
+from pipeline.watchdog import HangWatchdog
 
 log = logging.getLogger("epd.encoder")
-PROFILE_LOG_S = 10.0   # how often the busy profile is logged while there is work
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class EncoderService:
                  decode_pool: Executor, compute_pool: Executor,
                  forward: Callable[[torch.Tensor, list], list[torch.Tensor]] | None = None,
                  video_config: VideoProcessorConfig | None = None,
-                 video_media: VideoBackend | None = None) -> None:
+                 video_media: VideoBackend | None = None, watchdog: HangWatchdog | None = None) -> None:
         self.settings = settings
         self.store = store
         self.tower = tower
@@ -95,6 +95,9 @@ class EncoderService:
         self._decode_wake = asyncio.Event()
         self._compute_wake = asyncio.Event()
         self.space = ArenaSpace()   # waits for arena room (backpressure.py)
+        # A forward stuck past its timeout, or this event loop: the process exits (watchdog.py).
+        self.watchdog = watchdog or HangWatchdog(None)
+        self.forwarding = False
 
     # ------------------------------------------------------------- messages
 
@@ -194,7 +197,11 @@ class EncoderService:
     # ------------------------------------------------------------ pipeline
 
     async def run(self) -> None:
-        await asyncio.gather(self._decode_loop(), self._compute_loop(), self._expiry_loop(), self._profile_loop())
+        try:
+            await asyncio.gather(self._decode_loop(), self._compute_loop(), expiry_loop(self),
+                                 profile_loop(self), watchdog_loop(self))
+        finally:
+            self.watchdog.stop()
 
     async def _decode_loop(self) -> None:
         while True:
@@ -283,7 +290,12 @@ class EncoderService:
                     continue
                 try:
                     started = time.perf_counter()
-                    await loop.run_in_executor(self.compute_pool, self._forward_and_store, reserved)
+                    self.watchdog.progress(force=True)
+                    self.forwarding = True
+                    try:
+                        await loop.run_in_executor(self.compute_pool, self._forward_and_store, reserved)
+                    finally:
+                        self.forwarding = False
                     self.busy["forward_s"] += time.perf_counter() - started
                     self.busy.update(forward_images=len(reserved), forwards=1)   # this window's
                 except Exception as exc:  # a failed forward must not stop the encoder
@@ -346,26 +358,6 @@ class EncoderService:
                 self.store.write_rows(entry, output, start * tokens_per_step)
                 self.forwards += 1
         self.store.sync()
-
-    async def _profile_loop(self) -> None:
-        """Every PROFILE_LOG_S with work in it: one line of where the time
-        went (decode and forward seconds are summed wall times of each
-        batch, so busy shares show which of the two saturates first)."""
-        while True:
-            started = time.monotonic()
-            await asyncio.sleep(PROFILE_LOG_S)
-            busy, self.busy = self.busy, Counter()
-            self.busy_totals.update(busy)
-            if busy:
-                line = profile_line(busy, time.monotonic() - started, len(self.decoded), len(self.to_decode))
-                log.info("encoder profile %s", line)
-
-    async def _expiry_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.expiry_interval)
-            for lease in self.store.index.expire():
-                log.warning("lease %s of silent consumer %s expired", lease.lease_id, lease.owner)
-                self.space.freed()
 
     # ------------------------------------------------------------- replies
 

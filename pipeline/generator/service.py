@@ -37,6 +37,7 @@ from pipeline.generator.local_encode import LocalEncoder, encode_local
 from pipeline.generator.parking import ParkedEmbeddings
 from pipeline.generator.refetch import Refetches, expire_refetches, lost_handles, refetch_evicted
 from pipeline.generator.requests import RequestTable
+from pipeline.watchdog import HangWatchdog
 from pipeline.generator.stats import generator_stats
 from pipeline.processing.processor import MultimodalPrompt
 
@@ -55,7 +56,8 @@ class GeneratorService:
                  send: Callable[[str, protocol.Message], bool],
                  encoders: list[str], embedding_timeout: float = 60.0,
                  decode_images: Callable | None = None, heartbeat_interval: float = 1.0,
-                 rings: dict[str, ring.Consumer] | None = None, local: LocalEncoder | None = None) -> None:
+                 rings: dict[str, ring.Consumer] | None = None, local: LocalEncoder | None = None,
+                 watchdog: HangWatchdog | None = None) -> None:
         self.engine = engine
         self.address = address
         self.device = device
@@ -65,6 +67,7 @@ class GeneratorService:
         self.decode_images = decode_images   # aggregated mode: media bytes -> [(pixels, grid)]
         self.local = local   # --encode-fallback local: its own tower, for jobs sent while no encoder is up
         self.heartbeat_interval = heartbeat_interval
+        self.watchdog = watchdog or HangWatchdog(None)   # this loop stuck: the process exits (watchdog.py)
         # Same-host encoders put EmbeddingReady here rather than on the socket
         # (pipeline/arena/ring.py): encoder address -> the ring it writes.
         self.rings = rings or {}
@@ -98,6 +101,7 @@ class GeneratorService:
             self.hello_all()
             while not stop.is_set():
                 self.run_once(inbound)
+            self.watchdog.stop()
             self.close()
         finally:
             for lane in self.rings.values():
@@ -106,6 +110,7 @@ class GeneratorService:
     def run_once(self, inbound: queue.SimpleQueue, may_block: bool = True) -> None:
         """One turn of the loop. With nothing runnable (no requests, or all
         wait on images) it waits on the inbox briefly, unless `may_block` is off."""
+        self.watchdog.progress()
         idle = not self.engine.has_work() or self.engine.last_step_idle
         started = time.perf_counter()
         self._drain_rings()
