@@ -321,9 +321,62 @@ def test_generation_config_defaults_apply_to_unset_fields_only(tiny_dir, tmp_pat
     assert (s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.max_tokens) == (0.6, 20, 0.8, 1.05, 7)
     s = sampling(temperature=0, top_k=-1, top_p=1.0, repetition_penalty=1.0, max_tokens=3)
     assert (s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.max_tokens) == (0, 0, 1.0, 1.0, 3)
+    assert sampling(max_tokens=30).max_tokens == 7   # as vLLM: the checkpoint's default caps what is asked
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 0.5}))
     with pytest.raises(ValueError, match="top_k must be an integer"):
         sampling_defaults(str(tmp_path), tiny_dir)
+
+
+def test_max_tokens_as_vllm_reads_it(tiny_dir):
+    """Completions default to 16 tokens (the legacy API's default); null,
+    and chat, to the room left; 0 or less is a 400, not "unset"."""
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo, chat_work
+
+    model = ModelInfo("tiny", Processor.from_checkpoint(tiny_dir, image_token_id=0), 512, b"salt")
+
+    def max_tokens(kind: str, **fields) -> int:
+        body = {"prompt": "x"} if kind == "completion" else {"messages": [{"role": "user", "content": "hi"}]}
+        req = parse_body(json.dumps({**body, **fields}).encode(), kind)
+        made = completion_work(req, model, "r", "inproc://proxy") if kind == "completion" else chat_work(
+            req, model, None, "r", "inproc://proxy")
+        work = asyncio.run(made)
+        return work.request.sampling.max_tokens, len(work.request.prompt_token_ids)
+
+    assert max_tokens("completion")[0] == 16
+    tokens, prompt = max_tokens("completion", max_tokens=None)
+    assert tokens == 512 - prompt
+    tokens, prompt = max_tokens("chat")
+    assert tokens == 512 - prompt
+    assert max_tokens("chat", max_completion_tokens=5, max_tokens=9)[0] == 5
+    for kind, field, value in (("completion", "max_tokens", 0), ("chat", "max_tokens", -2),
+                               ("chat", "max_completion_tokens", 0)):
+        with pytest.raises(api.ApiError, match=f"{field} must be at least 1, got {value}") as caught:
+            max_tokens(kind, **{field: value})
+        assert caught.value.param == field and caught.value.status == 400
+    with pytest.raises(api.ApiError, match="maximum context length is 512"):
+        max_tokens("chat", max_tokens=600)
+
+
+def test_stream_options_as_vllm_reads_them():
+    import json
+
+    import pipeline.proxy.api_types as api
+
+    def parsed(**fields):
+        return parse_body(json.dumps(chat_body(**fields)).encode(), "chat")
+
+    assert parsed(stream=True, stream_options={}).stream_options.include_usage is True
+    assert parsed(stream=True, stream_options={"include_usage": False}).stream_options.include_usage is False
+    for fields, fragment in ((dict(stream_options={"include_usage": True}), "only be set when stream is true"),
+                             (dict(stream=True, stream_options={"continuous_usage_stats": True}),
+                              "continuous_usage_stats")):
+        with pytest.raises(api.ApiError, match=fragment) as caught:
+            parsed(**fields)
+        assert caught.value.param == "stream_options"
 
 
 def test_chat_template_gives_a_checkpoint_without_tools_a_template_that_takes_them(tiny_dir, tmp_path):

@@ -73,7 +73,8 @@ class ChatMessage(msgspec.Struct):
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool = True   # vLLM's default once stream_options is sent
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(msgspec.Struct):
@@ -120,6 +121,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    max_tokens: int | None = 16   # the legacy API's default (OpenAI's and vLLM's); null: as chat
     prompt: str | list[int] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -179,6 +181,15 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
     if kind == "completion" and (field := next((f for f, neutral in CHAT_ONLY.items()
                                                 if not neutral(getattr(request, f))), None)):
         raise ApiError(f"'{field}' is for /v1/chat/completions; text completions take no tools", param=field)
+    if request.stream_options is not None:
+        if not request.stream:
+            raise ApiError("stream_options can only be set when stream is true", param="stream_options")
+        if request.stream_options.continuous_usage_stats:
+            raise ApiError("'stream_options.continuous_usage_stats' is not supported by this server yet; "
+                           "leave it unset", param="stream_options")
+    for name in ("max_tokens", "max_completion_tokens"):
+        if (value := getattr(request, name)) is not None and value < 1:
+            raise ApiError(f"{name} must be at least 1, got {value}", param=name)
     if request.top_k is not None and request.top_k < -1:
         raise ApiError("top_k must be -1 or 0 (off) or a positive number of tokens", param="top_k")
     if kind == "chat" and not request.messages:

@@ -186,12 +186,18 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
     ids = prompt.token_ids
     room = model.max_context - len(ids)
     defaults = model.defaults
-    max_tokens = req.max_completion_tokens or req.max_tokens or min(room, defaults.get("max_tokens", room))
-    if max_tokens < 1 or len(ids) + max_tokens > model.max_context:
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if asked is not None and len(ids) + asked > model.max_context:
         raise ApiError(f"This model's maximum context length is {model.max_context} tokens. However, you "
-                       f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} "
+                       f"requested {len(ids) + asked} tokens ({len(ids)} in the messages, {asked} "
                        "in the completion). Please reduce the length of the messages or completion.",
                        param="max_tokens")
+    # As vLLM: the smallest of what was asked, the room left and the checkpoint's default.
+    max_tokens = min(v for v in (asked, room, defaults.get("max_tokens")) if v is not None)
+    if max_tokens < 1:
+        raise ApiError(f"This model's maximum context length is {model.max_context} tokens, and the prompt "
+                       f"has {len(ids)}: no room is left for the completion.",
+                       param="messages" if hasattr(req, "messages") else "prompt")
     try:
         sampling = protocol.Sampling(
             max_tokens=max_tokens, min_tokens=req.min_tokens,
