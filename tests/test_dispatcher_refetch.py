@@ -77,6 +77,21 @@ def test_an_encoder_that_goes_down_has_only_the_jobs_still_needed_sent_again():
     asyncio.run(scenario())
 
 
+def test_an_abort_reaches_the_encoders_still_holding_its_jobs():
+    async def scenario():
+        async with dispatching(encoders=ENCODERS) as (dispatcher, stages):
+            first, _ = encoder_order("k", list(ENCODERS))
+            waiting, _ = (dispatcher.submit(work(rid, max_tokens=4)) for rid in ("waiting", "decoding"))
+            dispatcher._on_message(protocol.TokenDelta("decoding", (5,), "x"))   # its images are read
+            jobs_at(stages, first)
+            for rid in ("waiting", "decoding"):
+                assert dispatcher.abort(rid)
+            aborts = [m for m in stages.received(first) if isinstance(m, protocol.AbortRequest)]
+            assert [m.request_ids for m in aborts] == [(waiting.wire_id,)]
+
+    asyncio.run(scenario())
+
+
 def test_a_wanted_embedding_goes_past_the_encoder_that_went_silent_on_it_unless_there_is_no_other():
     async def scenario():
         async with dispatching(encoders=ENCODERS, stage_timeout=60) as (dispatcher, stages):
@@ -114,7 +129,8 @@ def test_a_wanted_embedding_of_an_ended_request_stops_it_and_an_unknown_one_fail
 
             # A key the request never had: nothing to encode it from, a retryable error.
             dispatcher._on_message(protocol.EmbeddingWanted("r", ("other",), generator, "evicted"))
-            assert "r" not in dispatcher.flights and not stages.received(ENCODER)
+            assert "r" not in dispatcher.flights
+            assert stages.received(ENCODER) == [protocol.AbortRequest(("r",))]   # no job: its own is dropped
             (delta,) = ended
             assert delta.status == 503 and "cannot be encoded again" in delta.error and "retry" in delta.error
             (abort,) = stages.received(generator)

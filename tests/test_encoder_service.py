@@ -201,3 +201,43 @@ def test_a_clip_over_the_token_budget_is_encoded_in_parts_equal_to_one_forward(t
         finally:
             store.close()
     assert torch.equal(embeddings[two_steps], embeddings[16384])
+
+
+def test_an_abort_drops_the_jobs_not_begun_and_keeps_media_another_request_waits_for(tiny_dir):
+    tower = load_model(tiny_dir, dtype="float32", device="cpu", part="visual").model
+    config = ImageProcessorConfig.from_checkpoint(tiny_dir)
+    store = ArenaStore(4 << 20, 64 << 10, torch.device("cpu"), "test-encsvc-abort")
+    sent: list = []
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as decode_pool, ThreadPoolExecutor(1) as compute_pool:
+            service = EncoderService(EncoderSettings("enc", "inproc://enc", "tiny"), store, tower,
+                                     create_backend("pillow", torch.device("cpu")), config,
+                                     lambda address, message: sent.append(message) or True, decode_pool,
+                                     compute_pool)
+            alone, shared = (image_bytes(random_image(56, 56, seed=s)) for s in (4, 5))
+            tokens = tower.tokens_per_image(service.media.decode([alone], config)[0].grid)
+
+            def job(job_id, request_id, media):
+                return protocol.EncodeJob(job_id, request_id, content_hash(media, service.salt), media,
+                                          "inproc://gen", tokens, "inproc://proxy")
+
+            # Queued before the loops run: nothing has begun.
+            for message in (job("a/0", "a", alone), job("a/1", "a", shared), job("b/0", "b", shared)):
+                service.handle(message)
+            service.handle(protocol.AbortRequest(("a",)))
+            assert [key for key, _ in service.to_decode] == [content_hash(shared, service.salt)]
+            assert service.counters["dropped_media"] == 1 and len(service.flight) == 1
+            running = asyncio.ensure_future(service.run())
+            for _ in range(600):
+                if any(isinstance(m, protocol.EmbeddingReady) for m in sent):
+                    break
+                await asyncio.sleep(0.01)
+            answered = [(type(m).__name__, m.job_id) for m in sent if hasattr(m, "job_id")]
+            assert answered == [("EmbeddingReady", "b/0")] and len(service.flight) == 0
+            running.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()

@@ -21,6 +21,7 @@ import torch
 from pipeline import protocol
 from pipeline.arena.index import ArenaBusy, ArenaFull, Entry, State
 from pipeline.arena.store import ArenaStore
+from pipeline.encoder.aborts import drop_aborted
 from pipeline.encoder.backpressure import ArenaSpace, decode_room
 from pipeline.encoder.batching import take_batch, temporal_parts
 from pipeline.encoder.periodic import expiry_loop, profile_loop, watchdog_loop
@@ -120,6 +121,8 @@ class EncoderService:
             self.handle_hello(message.reply_to)
         elif isinstance(message, protocol.StatsRequest):
             self.send(message.reply_to, self.stats())
+        elif isinstance(message, protocol.AbortRequest):
+            drop_aborted(self, set(message.request_ids))
         else:
             log.warning("ignoring unexpected %s", type(message).__name__)
 

@@ -174,7 +174,13 @@ class Dispatcher:
         if flight is None:
             return False
         self.load[flight.generator] -= flight.work.cost
-        self.outbox.try_send(flight.generator, protocol.AbortRequest((flight.wire_id,)))
+        abort = protocol.AbortRequest((flight.wire_id,))
+        self.outbox.try_send(flight.generator, abort)
+        # Encoders drop what they have not begun of its jobs (a disconnect storm sheds their load too).
+        holding = {tried[-1] for job in flight.work.jobs
+                   if (tried := flight.encoders.get(job.job_id)) and self._job_needed(flight, job)}
+        for encoder in sorted(holding - {flight.generator}):
+            self.outbox.try_send(encoder, abort)
         return True
 
     def new_request_id(self) -> str:
