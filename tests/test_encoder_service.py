@@ -39,6 +39,13 @@ class BrokenOnPoison:
         return getattr(self.real, name)
 
 
+def pillow_service(store, tower, config, sent: list, decode_pool, compute_pool) -> EncoderService:
+    """An encoder on the Pillow backend whose messages are appended to `sent`."""
+    return EncoderService(EncoderSettings("enc", "inproc://enc", "tiny"), store, tower,
+                          create_backend("pillow", torch.device("cpu")), config,
+                          lambda address, message: sent.append(message) or True, decode_pool, compute_pool)
+
+
 def test_a_backend_failure_fails_its_jobs_and_the_encoder_keeps_serving(tiny_dir):
     tower = load_model(tiny_dir, dtype="float32", device="cpu", part="visual").model
     config = ImageProcessorConfig.from_checkpoint(tiny_dir)
@@ -100,10 +107,7 @@ def test_leases_of_a_consumer_restarted_in_place_are_dropped(tiny_dir):
 
     async def scenario():
         with ThreadPoolExecutor(1) as decode_pool, ThreadPoolExecutor(1) as compute_pool:
-            service = EncoderService(EncoderSettings("enc", "inproc://enc", "tiny"), store, tower,
-                                     create_backend("pillow", torch.device("cpu")), config,
-                                     lambda address, message: sent.append(message) or True, decode_pool,
-                                     compute_pool)
+            service = pillow_service(store, tower, config, sent, decode_pool, compute_pool)
             running = asyncio.ensure_future(service.run())
 
             async def lease_for(job_id, seed):
@@ -211,10 +215,7 @@ def test_an_abort_drops_the_jobs_not_begun_and_keeps_media_another_request_waits
 
     async def scenario():
         with ThreadPoolExecutor(1) as decode_pool, ThreadPoolExecutor(1) as compute_pool:
-            service = EncoderService(EncoderSettings("enc", "inproc://enc", "tiny"), store, tower,
-                                     create_backend("pillow", torch.device("cpu")), config,
-                                     lambda address, message: sent.append(message) or True, decode_pool,
-                                     compute_pool)
+            service = pillow_service(store, tower, config, sent, decode_pool, compute_pool)
             alone, shared = (image_bytes(random_image(56, 56, seed=s)) for s in (4, 5))
             tokens = tower.tokens_per_image(service.media.decode([alone], config)[0].grid)
 
