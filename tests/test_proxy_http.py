@@ -43,11 +43,16 @@ REFUSED = {
     "prompt_logprobs": 1, "best_of": 2,
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= x",
     "structured_outputs": {"json": {}},
+    "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+    "allowed_token_ids": [1, 2], "bad_words": ["x"], "truncate_prompt_tokens": 8, "priority": 1,
+    "logits_processors": ["mod.Proc"], "return_tokens_as_token_ids": True, "cache_salt": "tenant-a",
+    "continue_final_message": True, "chat_template": "{{ messages }}", "documents": [{"title": "t", "text": "x"}],
+    "add_special_tokens": True,
 }
 
 
 def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
-    assert set(REFUSED) | {"echo", "suffix"} == set(NOT_YET_SUPPORTED)
+    assert set(REFUSED) | {"echo", "suffix"} == set(NOT_YET_SUPPORTED)   # "echo": refused for chat below
     import json
 
     import pipeline.proxy.api_types as api
@@ -56,8 +61,11 @@ def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
         with pytest.raises(api.ApiError) as caught:
             parse_body(json.dumps(chat_body(**{field: value})).encode(), "chat")
         assert caught.value.param == field and f"'{field}'" in str(caught.value) and caught.value.status == 400
+    with pytest.raises(api.ApiError, match="'echo'"):
+        parse_body(json.dumps(chat_body(echo=True)).encode(), "chat")
     neutral = dict(tools=[], tool_choice="none", logprobs=False, top_logprobs=0,
-                   best_of=1, parallel_tool_calls=True)
+                   best_of=1, parallel_tool_calls=True, skip_special_tokens=True, priority=0,
+                   include_stop_str_in_output=False, continue_final_message=False)
     parse_body(json.dumps(chat_body(**neutral)).encode(), "chat")
     for field, value in (("echo", True), ("suffix", "tail"), ("tools", [{"type": "function"}]),
                          ("tool_choice", "auto")):
@@ -359,6 +367,30 @@ def test_max_tokens_as_vllm_reads_it(tiny_dir):
         assert caught.value.param == field and caught.value.status == 400
     with pytest.raises(api.ApiError, match="maximum context length is 512"):
         max_tokens("chat", max_tokens=600)
+
+
+def test_chat_template_kwargs_and_add_generation_prompt_reach_the_template(tiny_dir):
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo, chat_work
+
+    template = ("{% for m in messages %}[{{ m.content }}]{% endfor %}{% if shout %}LOUD{% endif %}"
+                "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+    processor = Processor.from_checkpoint(tiny_dir, image_token_id=0, chat_template=template)
+    model = ModelInfo("tiny", processor, 512, b"salt")
+
+    def prompt(**fields) -> str:
+        req = parse_body(json.dumps(chat_body(**fields)).encode(), "chat")
+        ids = asyncio.run(chat_work(req, model, None, "r", "inproc://proxy")).request.prompt_token_ids
+        return processor.tokenizer.decode(ids, skip_special_tokens=False)
+
+    assert prompt() == "[hi]ASSISTANT:"
+    assert prompt(chat_template_kwargs={"shout": True}, add_generation_prompt=False) == "[hi]LOUD"
+    with pytest.raises(api.ApiError, match="may not set add_generation_prompt, messages") as caught:
+        prompt(chat_template_kwargs={"messages": [], "add_generation_prompt": False})
+    assert caught.value.param == "chat_template_kwargs"
 
 
 def test_stream_options_as_vllm_reads_them():

@@ -113,11 +113,32 @@ class SamplingFields(msgspec.Struct):
     guided_choice: list | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
+    # vLLM's own fields, likewise accepted only at their defaults.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    logits_processors: list | None = None
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = []
     mm_processor_kwargs: MediaProcessorKwargs | None = None
+    # vLLM's: extra variables for the chat template (e.g. enable_thinking), and
+    # whether it ends with the assistant's turn opened.
+    chat_template_kwargs: dict[str, object] | None = None
+    add_generation_prompt: bool = True
+    # Accepted only at their defaults.
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    documents: list | None = None
+    add_special_tokens: bool = False
+    echo: bool = False
 
 
 class CompletionRequest(SamplingFields):
@@ -139,7 +160,15 @@ NOT_YET_SUPPORTED = {
     "best_of": lambda v: v in (None, 1),
     "guided_regex": _neutral, "guided_choice": _neutral, "guided_grammar": _neutral,
     "structured_outputs": _neutral, "echo": _neutral, "suffix": lambda v: not v,
+    "include_stop_str_in_output": _neutral, "skip_special_tokens": lambda v: v is True,
+    "spaces_between_special_tokens": lambda v: v is True, "allowed_token_ids": lambda v: v is None,
+    "bad_words": _neutral, "truncate_prompt_tokens": lambda v: v is None, "priority": _neutral,
+    "logits_processors": _neutral, "return_tokens_as_token_ids": _neutral, "cache_salt": lambda v: v is None,
+    "continue_final_message": _neutral, "chat_template": lambda v: v is None, "documents": _neutral,
+    "add_special_tokens": _neutral,
 }
+# Template variables the server sets itself: chat_template_kwargs may not.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 # Chat fields that a text completion does not take.
@@ -192,6 +221,9 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
             raise ApiError(f"{name} must be at least 1, got {value}", param=name)
     if request.top_k is not None and request.top_k < -1:
         raise ApiError("top_k must be -1 or 0 (off) or a positive number of tokens", param="top_k")
+    if kind == "chat" and (taken := RESERVED_TEMPLATE_VARIABLES & set(request.chat_template_kwargs or {})):
+        raise ApiError(f"chat_template_kwargs may not set {', '.join(sorted(taken))}: the request's own fields do",
+                       param="chat_template_kwargs")
     if kind == "chat" and not request.messages:
         raise ApiError("messages must be a non-empty list", param="messages")
     if kind == "completion" and not request.prompt:

@@ -99,7 +99,8 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     try:
         # Inline, not in a thread: rendering and tokenizing a prompt takes far
         # less than a thread hop costs under the GIL.
-        prompt = model.processor.chat_prompt(messages, sizes, plans, tools.template_tools)
+        prompt = model.processor.chat_prompt(messages, sizes, plans, tools.template_tools,
+                                             req.add_generation_prompt, req.chat_template_kwargs)
     except (ValueError, jinja2.TemplateError) as exc:
         raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
     # Items in prompt order are the media in message order.
