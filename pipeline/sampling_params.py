@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 # The most top logprobs a token may ask for (the OpenAI API's own cap).
 MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**64 - 1   # what a seed's generator and the wire's msgpack ints hold
 
 
 def check_int(name: str, value: object, minimum: int) -> None:
@@ -59,6 +60,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None:
             check_int("seed", self.seed, 0)
+            if self.seed > MAX_SEED:
+                raise ValueError(f"seed must be at most {MAX_SEED} (2**64 - 1), got {self.seed}")
         # Lists are accepted for convenience; stored as tuples so the object stays hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -185,8 +185,8 @@ def test_stop_token_ids_end_the_answer_at_that_token(epd, tiny_dir, tmp_path):
     cut = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
     got, reason, usage = chat(epd, [], text, max_tokens=12, stop_token_ids=[ids[cut]])
     assert reason == "stop" and usage.completion_tokens == cut + 1
-    # As in the common servers, the stop token's own text stays (it is no special token).
-    assert got == epd_generate(tiny_dir, tmp_path, [], text, max_tokens=cut + 1)["text"]
+    # As vLLM: the stop token's own text is left out of the answer.
+    assert got == epd_generate(tiny_dir, tmp_path, [], text, max_tokens=cut)["text"]
 
 
 def test_a_client_that_hangs_up_is_aborted_within_100_ms(epd):

@@ -209,12 +209,21 @@ def test_sampling_options(tiny):
     assert tiny_p == greedy                           # top-p keeps at least the top token
     stop_id = greedy[3]
     first = greedy.index(stop_id)
-    tokens, reason, _ = run("stopid", max_tokens=10, stop_token_ids=[stop_id], ignore_eos=True)
+    tokens, reason, text = run("stopid", max_tokens=10, stop_token_ids=[stop_id], ignore_eos=True)
     assert tokens == greedy[:first + 1] and reason == "stop"
+    # As vLLM: the stop token ends the token ids, and its text is left out.
+    assert text == processor.tokenizer.decode(greedy[:first])
     tokens, reason, _ = run("min", max_tokens=10, min_tokens=6, stop_token_ids=[stop_id], ignore_eos=True)
     assert stop_id not in tokens[:6]
     # A stop string cuts the text before it and is never sent in part.
     target = greedy_text[5:8]
-    if target.strip():
-        _, reason, text = run("stopstr", max_tokens=10, stop=[target], ignore_eos=True)
-        assert reason == "stop" and target not in text and greedy_text.startswith(text)
+    assert target.strip(), "the tiny model's greedy text has no stop string to test with"
+    _, reason, text = run("stopstr", max_tokens=10, stop=[target], ignore_eos=True)
+    assert reason == "stop" and target not in text and greedy_text.startswith(text)
+    # Not before min_tokens (as vLLM): the stop string found first is passed.
+    tokens, reason, text = run("minstr", max_tokens=10, min_tokens=10, stop=[target], ignore_eos=True)
+    assert tokens == greedy and reason == "length" and text == greedy_text
+    # Completed by the last token allowed, it still ends the request as "stop".
+    ends_at = next(n for n in range(1, 11) if target in processor.tokenizer.decode(greedy[:n]))
+    _, reason, text = run("laststr", max_tokens=ends_at, stop=[target], ignore_eos=True)
+    assert reason == "stop" and target not in text

@@ -393,6 +393,35 @@ def test_chat_template_kwargs_and_add_generation_prompt_reach_the_template(tiny_
     assert caught.value.param == "chat_template_kwargs"
 
 
+def test_a_seed_past_what_the_wire_holds_is_a_400_and_a_request_that_cannot_be_sent_holds_no_slot(tiny_dir, tmp_path):
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.sampling_params import MAX_SEED, SamplingParams
+
+    parse_body(json.dumps(chat_body(seed=MAX_SEED)).encode(), "chat")
+    for fields in (dict(seed=MAX_SEED + 1), dict(seed=MAX_SEED, n=2), dict(seed=-1)):
+        with pytest.raises(api.ApiError, match="seed must be in") as caught:
+            parse_body(json.dumps(chat_body(**fields)).encode(), "chat")
+        assert caught.value.param == "seed"
+    with pytest.raises(ValueError, match="seed must be at most"):
+        SamplingParams(max_tokens=4, seed=MAX_SEED + 1)
+
+    async def scenario(client, app):
+        dispatcher = next(r.handler.__self__ for r in app.router.routes()
+                          if getattr(r.handler, "__name__", "") == "chat").dispatcher
+        dispatcher.last_seen[dispatcher.generators[0]] = time.monotonic() + 3600   # up
+
+        def unsendable(address, message):
+            raise OverflowError("can't serialize")
+
+        dispatcher.outbox.try_send = unsendable
+        r = await client.post(CHAT, json=chat_body())
+        assert r.status == 500 and not dispatcher.flights and not any(dispatcher.load.values())
+
+    serve(tiny_dir, tmp_path, scenario=scenario)
+
+
 def test_stream_options_as_vllm_reads_them():
     import json
 

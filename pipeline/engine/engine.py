@@ -153,7 +153,7 @@ class Engine:
         matcher = self.grammars().matcher(params.grammar) if params.grammar else None   # GrammarError: a 400
         self.scheduler.add_request(request)
         self.live[request_id] = _Live(PromptGeometry(positions, delta),
-                                      TextState.create(self.tokenizer, params.stop),
+                                      TextState.create(self.tokenizer, params.stop, params.min_tokens),
                                       make_generator(params), inputs, matcher=matcher)
 
     def add_embedding(self, key: str, embedding: torch.Tensor) -> None:
@@ -348,8 +348,11 @@ class Engine:
         live = self.live[request_id]
         live.phases.on_token(time.monotonic())
         chosen = (logprobs,) if logprobs is not None else ()
-        delta = live.text.push(token)
         request = self.scheduler.get_request(request_id)
+        # As vLLM: a stop token (or EOS) that ends the request stays in the
+        # token ids, not in the text.
+        stop_token = finished is not None and finished.status is RequestStatus.FINISHED_STOPPED
+        delta = "" if stop_token else live.text.push(token)
         if finished is None and (live.text.stopped or (live.matcher is not None and live.matcher.is_stopped())):
             finished = self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
         if finished is None:
@@ -357,6 +360,8 @@ class Engine:
                                  num_output_tokens=request.num_output_tokens, logprobs=chosen)
         delta += live.text.finish()
         self._forget(request_id)
-        return RequestOutput(request_id, (token,), delta, True, finished.finish_reason,
+        # A stop string the last allowed token completed ends it as "stop", not "length".
+        reason = "stop" if live.text.stopped else finished.finish_reason
+        return RequestOutput(request_id, (token,), delta, True, reason,
                              finished.num_prompt_tokens, len(finished.output_token_ids), logprobs=chosen,
                              phases=live.phases.durations(time.monotonic()))

@@ -37,14 +37,15 @@ class TextState:
 
     detokenizer: IncrementalDetokenizer
     stop: tuple[str, ...]
+    min_tokens: int = 0   # stop strings count only once this many tokens are out (as vLLM)
     text: str = ""
     sent: int = 0
     stopped: bool = False
     token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def create(cls, tokenizer: Tokenizer, stop: tuple[str, ...]) -> TextState:
-        return cls(IncrementalDetokenizer(tokenizer), stop)
+    def create(cls, tokenizer: Tokenizer, stop: tuple[str, ...], min_tokens: int = 0) -> TextState:
+        return cls(IncrementalDetokenizer(tokenizer), stop, min_tokens)
 
     def push(self, token_id: int) -> str:
         """Add a token; the text that may be sent now. Sets `stopped` when a
@@ -60,7 +61,7 @@ class TextState:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        if self.stop and not self.stopped:
+        if self.stop and not self.stopped and len(self.token_ids) >= self.min_tokens:
             # Search only where a new match can start.
             start = max(0, self.sent - max(len(s) for s in self.stop) + 1)
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]

@@ -37,9 +37,9 @@ from pipeline.generator.local_encode import LocalEncoder, encode_local
 from pipeline.generator.parking import ParkedEmbeddings
 from pipeline.generator.refetch import Refetches, expire_refetches, lost_handles, refetch_evicted
 from pipeline.generator.requests import RequestTable
-from pipeline.watchdog import HangWatchdog
 from pipeline.generator.stats import generator_stats
 from pipeline.processing.processor import MultimodalPrompt
+from pipeline.watchdog import HangWatchdog
 
 log = logging.getLogger("epd.generator")
 

@@ -13,6 +13,8 @@ from typing import Literal
 
 import msgspec
 
+from pipeline.sampling_params import MAX_SEED
+
 
 class ApiError(Exception):
     """A client error: HTTP `status` with an OpenAI-style body."""
@@ -216,6 +218,10 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
         if request.stream_options.continuous_usage_stats:
             raise ApiError("'stream_options.continuous_usage_stats' is not supported by this server yet; "
                            "leave it unset", param="stream_options")
+    if request.seed is not None and not 0 <= request.seed <= MAX_SEED - (request.n - 1):
+        # n choices are seeded seed, seed + 1, ...: each must fit.
+        raise ApiError(f"seed must be in [0, {MAX_SEED - (request.n - 1)}] with n = {request.n}, got {request.seed}",
+                       param="seed")
     for name in ("max_tokens", "max_completion_tokens"):
         if (value := getattr(request, name)) is not None and value < 1:
             raise ApiError(f"{name} must be at least 1, got {value}", param=name)

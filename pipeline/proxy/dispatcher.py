@@ -119,7 +119,11 @@ class Dispatcher:
         generator = self._pick_generator(exclude=())
         flight = Flight(work, generator, asyncio.Queue(), created=work.arrived or time.monotonic())
         self.flights[work.request.request_id] = flight
-        self._dispatch(flight)
+        try:
+            self._dispatch(flight)
+        except BaseException:
+            self.abort(work.request.request_id)   # a request that cannot be sent must not hold a slot
+            raise
         return flight
 
     def _pick_generator(self, exclude) -> str:
