@@ -1,0 +1,119 @@
+"""vLLM's readings of the OpenAI fields, in-process as test_proxy_http.py
+runs the proxy: max_tokens, stream_options, seeds, and vLLM's own
+chat_template_kwargs and add_generation_prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pipeline.proxy.api_types import parse_body
+from pipeline.proxy.requests import completion_work
+from test_proxy_http import CHAT, chat_body, serve
+
+
+def test_max_tokens_as_vllm_reads_it(tiny_dir):
+    """Completions default to 16 tokens (the legacy API's default); null,
+    and chat, to the room left; 0 or less is a 400, not "unset"."""
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo, chat_work
+
+    model = ModelInfo("tiny", Processor.from_checkpoint(tiny_dir, image_token_id=0), 512, b"salt")
+
+    def max_tokens(kind: str, **fields) -> int:
+        body = {"prompt": "x"} if kind == "completion" else {"messages": [{"role": "user", "content": "hi"}]}
+        req = parse_body(json.dumps({**body, **fields}).encode(), kind)
+        made = completion_work(req, model, "r", "inproc://proxy") if kind == "completion" else chat_work(
+            req, model, None, "r", "inproc://proxy")
+        work = asyncio.run(made)
+        return work.request.sampling.max_tokens, len(work.request.prompt_token_ids)
+
+    assert max_tokens("completion")[0] == 16
+    tokens, prompt = max_tokens("completion", max_tokens=None)
+    assert tokens == 512 - prompt
+    tokens, prompt = max_tokens("chat")
+    assert tokens == 512 - prompt
+    assert max_tokens("chat", max_completion_tokens=5, max_tokens=9)[0] == 5
+    for kind, field, value in (("completion", "max_tokens", 0), ("chat", "max_tokens", -2),
+                               ("chat", "max_completion_tokens", 0)):
+        with pytest.raises(api.ApiError, match=f"{field} must be at least 1, got {value}") as caught:
+            max_tokens(kind, **{field: value})
+        assert caught.value.param == field and caught.value.status == 400
+    with pytest.raises(api.ApiError, match="maximum context length is 512"):
+        max_tokens("chat", max_tokens=600)
+
+
+def test_chat_template_kwargs_and_add_generation_prompt_reach_the_template(tiny_dir):
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo, chat_work
+
+    template = ("{% for m in messages %}[{{ m.content }}]{% endfor %}{% if shout %}LOUD{% endif %}"
+                "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+    processor = Processor.from_checkpoint(tiny_dir, image_token_id=0, chat_template=template)
+    model = ModelInfo("tiny", processor, 512, b"salt")
+
+    def prompt(**fields) -> str:
+        req = parse_body(json.dumps(chat_body(**fields)).encode(), "chat")
+        ids = asyncio.run(chat_work(req, model, None, "r", "inproc://proxy")).request.prompt_token_ids
+        return processor.tokenizer.decode(ids, skip_special_tokens=False)
+
+    assert prompt() == "[hi]ASSISTANT:"
+    assert prompt(chat_template_kwargs={"shout": True}, add_generation_prompt=False) == "[hi]LOUD"
+    with pytest.raises(api.ApiError, match="may not set add_generation_prompt, messages") as caught:
+        prompt(chat_template_kwargs={"messages": [], "add_generation_prompt": False})
+    assert caught.value.param == "chat_template_kwargs"
+
+
+def test_a_seed_past_what_the_wire_holds_is_a_400_and_a_request_that_cannot_be_sent_holds_no_slot(tiny_dir, tmp_path):
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.sampling_params import MAX_SEED, SamplingParams
+
+    parse_body(json.dumps(chat_body(seed=MAX_SEED)).encode(), "chat")
+    for fields in (dict(seed=MAX_SEED + 1), dict(seed=MAX_SEED, n=2), dict(seed=-1)):
+        with pytest.raises(api.ApiError, match="seed must be in") as caught:
+            parse_body(json.dumps(chat_body(**fields)).encode(), "chat")
+        assert caught.value.param == "seed"
+    with pytest.raises(ValueError, match="seed must be at most"):
+        SamplingParams(max_tokens=4, seed=MAX_SEED + 1)
+
+    async def scenario(client, app):
+        dispatcher = next(r.handler.__self__ for r in app.router.routes()
+                          if getattr(r.handler, "__name__", "") == "chat").dispatcher
+        dispatcher.last_seen[dispatcher.generators[0]] = time.monotonic() + 3600   # up
+
+        def unsendable(address, message):
+            raise OverflowError("can't serialize")
+
+        dispatcher.outbox.try_send = unsendable
+        r = await client.post(CHAT, json=chat_body())
+        assert r.status == 500 and not dispatcher.flights and not any(dispatcher.load.values())
+
+    serve(tiny_dir, tmp_path, scenario=scenario)
+
+
+def test_stream_options_as_vllm_reads_them():
+    import json
+
+    import pipeline.proxy.api_types as api
+
+    def parsed(**fields):
+        return parse_body(json.dumps(chat_body(**fields)).encode(), "chat")
+
+    assert parsed(stream=True, stream_options={}).stream_options.include_usage is True
+    assert parsed(stream=True, stream_options={"include_usage": False}).stream_options.include_usage is False
+    for fields, fragment in ((dict(stream_options={"include_usage": True}), "only be set when stream is true"),
+                             (dict(stream=True, stream_options={"continuous_usage_stats": True}),
+                              "continuous_usage_stats")):
+        with pytest.raises(api.ApiError, match=fragment) as caught:
+            parsed(**fields)
+        assert caught.value.param == "stream_options"
