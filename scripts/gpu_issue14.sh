@@ -23,6 +23,9 @@
 #   run(command="PHASE=19 bash scripts/gpu_issue14.sh", carry=[".whl"])  # 1x2000 both layouts, one bracket, 3 steps
 #   run(command="PHASE=20 bash scripts/gpu_issue14.sh", carry=[".whl"])  # profile, plans, aggregated 4x400 (2 steps)
 #   run(command="PHASE=21 bash scripts/gpu_issue14.sh", carry=[".whl"])  # EPD colocated 4x400 (2 steps)
+# Any card (session 27: the H100 is lent, and the maxima above are the H200's):
+#   run(command="PHASE=22 bash scripts/gpu_issue14.sh", carry=[".whl"])  # profile and plans
+#   run(command="PHASE=23 bash scripts/gpu_issue14.sh", carry=[".whl"])  # 4x400, both layouts, around the plans
 # Every stack is started by bin/epd-launch alone (the EPD layout's MPS daemon
 # is the launcher's own). PHASE 2 and 3 read the profile and aggregated
 # results of PHASE 1 from results/ (copy the files PHASE 1 brought back
@@ -142,6 +145,13 @@ elif [ "$PHASE" = 20 ]; then  # the planner's model of session 25: a profile, it
 elif [ "$PHASE" = 21 ]; then  # EPD colocated at 4x400, the other half of PHASE 20's comparison
   timeout 330 python3 scripts/gpu_sustained.py --layout epd --out "$R/p21" "${tiny[@]}" $long \
     --workload "4:400:2:${B4E:-15.4:16.8}"
+elif [ "$PHASE" = 22 ]; then  # a profile of this card and its plans: the brackets of PHASE 23
+  REPEATS=3 profile_box
+elif [ "$PHASE" = 23 ]; then  # 4x400 in both layouts in one call, 3 steps each, 0.85-1.15x the plans of PHASE 22
+  for layout in aggregated epd; do
+    timeout 285 python3 scripts/gpu_sustained.py --layout $layout --out "$R/p23-$layout" "${tiny[@]}" $long \
+      --profile "${PROFILE:-$R/profile.json}" --around "${AROUND:-0.85:1.15}" --workload "4:400:${STEPS:-3}"
+  done
 fi
 rc=$?
 # Few, shallow files come back: the profile, the summaries and a tarball of everything.

@@ -55,6 +55,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--workload", action="append", default=[], metavar="I:T[:STEPS[:LOW:HIGH]]",
                    help="images, text tokens, search steps, and the bracket (default: around the prediction)")
     p.add_argument("--profile", type=Path, help="epd-plan profile: brackets centred on its predictions")
+    p.add_argument("--around", default="0.7:1.4", metavar="LOW:HIGH",
+                   help="a bracket not given is LOW to HIGH times the prediction")
     p.add_argument("--interference-rate", type=float)
     p.add_argument("--interference-from", type=Path, help="a search result file whose maximum sets the rate")
     p.add_argument("--mixed-search", metavar="STEPS:LOW:HIGH", help="search the half text-only load too")
@@ -118,7 +120,8 @@ def search(args: argparse.Namespace, stack: LaunchedStack, images: int, text: in
     item = "vid" if args.video else "img"
     name = f"{args.layout}-mixed-search" if text_only else f"{args.layout}-{images}{item}-{text}tok"
     rate = predicted_rate(args, images, text) if bracket is None else sum(bracket) / 2
-    low, high = bracket or (0.7 * rate, 1.4 * rate)
+    around = [float(v) for v in args.around.split(":")]
+    low, high = bracket or (around[0] * rate, around[1] * rate)
     log = args.out / "logs" / f"{name}.log"
     warmup = ["--base-url", stack.base_url, *workload_flags(args, images, text, text_only), "--num-prompts", "16",
               "--request-rate", "inf", "--seed", "999"]
