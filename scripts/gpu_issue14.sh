@@ -147,6 +147,10 @@ elif [ "$PHASE" = 21 ]; then  # EPD colocated at 4x400, the other half of PHASE 
     --workload "4:400:2:${B4E:-15.4:16.8}"
 elif [ "$PHASE" = 22 ]; then  # a profile of this card and its plans: the brackets of PHASE 23
   REPEATS=3 profile_box
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && python3 scripts/planner_vs_maxima.py \
+    "$R/profile.json" docs/results/h200-sustained-paced-2026-12-03.json \
+    docs/results/h200-sustained-1img-2026-12-03-s16.json docs/results/h200-sustained-4x400-2026-12-04-s23.json
+  true
 elif [ "$PHASE" = 23 ]; then  # 4x400 in both layouts in one call, 3 steps each, 0.85-1.15x the plans of PHASE 22
   for layout in aggregated epd; do
     timeout 285 python3 scripts/gpu_sustained.py --layout $layout --out "$R/p23-$layout" "${tiny[@]}" $long \
