@@ -151,10 +151,11 @@ elif [ "$PHASE" = 22 ]; then  # a profile of this card and its plans: the bracke
     "$R/profile.json" docs/results/h200-sustained-paced-2026-12-03.json \
     docs/results/h200-sustained-1img-2026-12-03-s16.json docs/results/h200-sustained-4x400-2026-12-04-s23.json
   true
-elif [ "$PHASE" = 23 ]; then  # 4x400 in both layouts in one call, 3 steps each, 0.85-1.15x the plans of PHASE 22
+elif [ "$PHASE" = 23 ]; then  # W (4:400) in both layouts in one call, 3 steps each, 0.85-1.15x the plans of PHASE 22
+  w=${W:-4:400}
   for layout in aggregated epd; do
-    timeout 285 python3 scripts/gpu_sustained.py --layout $layout --out "$R/p23-$layout" "${tiny[@]}" $long \
-      --profile "${PROFILE:-$R/profile.json}" --around "${AROUND:-0.85:1.15}" --workload "4:400:${STEPS:-3}"
+    timeout 285 python3 scripts/gpu_sustained.py --layout $layout --out "$R/p23-${w/:/x}-$layout" "${tiny[@]}" $long \
+      --profile "${PROFILE:-$R/profile.json}" --around "${AROUND:-0.85:1.15}" --workload "$w:${STEPS:-3}"
   done
 fi
 rc=$?
