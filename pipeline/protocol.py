@@ -223,6 +223,10 @@ class GenerateRequest(_Msg, tag="generate"):
     media_kinds: tuple[str, ...] = ()
     video_fps: float | None = None
     video_frames: int | None = None
+    # Moved here after a generator was lost: the tokens it had produced (the
+    # end of prompt_token_ids), and the characters of their text the client has.
+    resumed_output: tuple[int, ...] = ()
+    resumed_text_sent: int = 0
 
 
 class TokenDelta(_Msg, tag="delta"):

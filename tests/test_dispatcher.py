@@ -95,6 +95,8 @@ def test_a_restarted_generator_gets_its_requests_again_and_stale_tokens_are_drop
             moved = [m for m in to_home[1:] + to_other if isinstance(m, protocol.GenerateRequest)]
             assert [(m.request_id, m.prompt_token_ids[-2:], m.sampling.max_tokens) for m in moved] == \
                 [("r~1", (7, 8), 8)]
+            # The next generator learns the tokens and how much of their text the client has.
+            assert (moved[0].resumed_output, moved[0].resumed_text_sent) == ((7, 8), 2)
             assert [j.request_id for j in stages.received(ENCODER)] == ["r~1"]
 
             # The old attempt's tokens (a stalled process waking up) are not the client's.

@@ -43,14 +43,16 @@ class FakeEngine:
         self.requests: dict[str, list[str]] = {}      # request id -> its image keys
         self.embeddings: dict[str, torch.Tensor] = {}
         self.aborted: list[str] = []
+        self.resumed: dict = {}                       # request id -> the engine.Resumed it came with
         self.script: list[list[RequestOutput]] = []   # what each step returns, in order
         self.refetch: list[str] = []                  # what the next take_refetches hands out
         self.steps = 0
 
-    def add_request(self, request_id, prompt, image_keys, params, image_inputs=None) -> None:
+    def add_request(self, request_id, prompt, image_keys, params, image_inputs=None, resumed=None) -> None:
         if len(image_keys) != len(prompt.image_spans):
             raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
         self.requests[request_id] = list(image_keys)
+        self.resumed[request_id] = resumed
 
     def add_embedding(self, key, embedding) -> None:
         if embedding.shape[1] != WIDTH:

@@ -19,7 +19,7 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.decode_graphs import DecodeGraphs
 from pipeline.engine.kv_blocks import num_blocks_for_memory
 from pipeline.engine.mixed_graphs import MixedGraphs
-from pipeline.engine.output import RequestOutput, TextState
+from pipeline.engine.output import RequestOutput, Resumed, TextState
 from pipeline.engine.pacing import PrefillPacer, prefill_allowed
 from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.engine.plan import FinishedRequest, SchedulerConfig
@@ -51,6 +51,7 @@ class _Live:
     image_inputs: dict[str, tuple[torch.Tensor, tuple[int, int, int]]]
     pool_row: int | None = None   # in the engine's PenaltyPool, from the request's first sampled token on
     matcher: Any = None           # its grammar's matcher (structured output), if any
+    earlier_output: tuple[int, ...] = ()   # tokens produced before a move here (Resumed), counted as output
     phases: RequestPhases = field(default_factory=RequestPhases)
 
 
@@ -129,10 +130,12 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: MultimodalPrompt, image_keys: list[str],
                     params: SamplingParams,
-                    image_inputs: list[tuple[torch.Tensor, tuple[int, int, int]]] | None = None) -> None:
+                    image_inputs: list[tuple[torch.Tensor, tuple[int, int, int]]] | None = None,
+                    resumed: Resumed | None = None) -> None:
         """Queue a request. `image_keys[i]` names the embedding of image i
         (its content hash). In aggregated mode `image_inputs[i]` is image i's
-        (pixel_values, grid), encoded here when the scheduler says so."""
+        (pixel_values, grid), encoded here when the scheduler says so.
+        `resumed`: it was moved here after those tokens (its prompt ends with them)."""
         if len(image_keys) != len(prompt.image_spans):
             raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
         vocab = self.model.spec.language.vocab_size
@@ -150,11 +153,17 @@ class Engine:
         positions, delta = self.model.prompt_positions(len(prompt.token_ids), prompt.image_spans, prompt.grids,
                                                        list(prompt.seconds_per_grid) or None)
         inputs = dict(zip(image_keys, image_inputs)) if image_inputs else {}
+        earlier = resumed.token_ids if resumed else ()
+        if tuple(prompt.token_ids[len(prompt.token_ids) - len(earlier):]) != earlier:
+            raise ValueError("a resumed request's prompt must end with the tokens it had produced")
         matcher = self.grammars().matcher(params.grammar) if params.grammar else None   # GrammarError: a 400
+        if matcher is not None and earlier and not matcher.consume_tokens(list(earlier)):
+            raise ValueError(f"the grammar refuses the tokens produced before the move: {matcher.get_error()}")
+        text = (TextState.resume(self.tokenizer, params.stop, params.min_tokens, resumed) if resumed
+                else TextState.create(self.tokenizer, params.stop, params.min_tokens))
         self.scheduler.add_request(request)
-        self.live[request_id] = _Live(PromptGeometry(positions, delta),
-                                      TextState.create(self.tokenizer, params.stop, params.min_tokens),
-                                      make_generator(params), inputs, matcher=matcher)
+        self.live[request_id] = _Live(PromptGeometry(positions, delta), text, make_generator(params), inputs,
+                                      matcher=matcher, earlier_output=earlier)
 
     def add_embedding(self, key: str, embedding: torch.Tensor) -> None:
         """An image embedding arrived; kept pending until a request needs it
@@ -329,7 +338,7 @@ class Engine:
             banned = tuple(set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids)))
         live = self.live[request_id]
         if live.pool_row is None and uses_penalties(params):
-            live.pool_row = self.penalties.take(request.prompt_token_ids)
+            live.pool_row = self.penalties.take(request.prompt_token_ids, live.earlier_output)
         return SamplingRow(params, live.generator, banned, live.pool_row, live.matcher)
 
     def grammars(self) -> Grammars:

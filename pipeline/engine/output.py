@@ -31,6 +31,17 @@ class RequestOutput:
     phases: tuple[float, ...] = ()   # on the last: (queue, prefill, decode) seconds (engine/request_phases.py)
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """A request moved here from a generator that was lost: the tokens it
+    had produced there (the tail of its prompt here), and how many
+    characters of their text its client has. Its text, stop strings,
+    grammar and penalties go on from those tokens, as if it had never moved."""
+
+    token_ids: tuple[int, ...]
+    text_sent: int
+
+
 @dataclass
 class TextState:
     """One request's text so far and the part not yet sent."""
@@ -46,6 +57,20 @@ class TextState:
     @classmethod
     def create(cls, tokenizer: Tokenizer, stop: tuple[str, ...], min_tokens: int = 0) -> TextState:
         return cls(IncrementalDetokenizer(tokenizer), stop, min_tokens)
+
+    @classmethod
+    def resume(cls, tokenizer: Tokenizer, stop: tuple[str, ...], min_tokens: int, resumed: Resumed) -> TextState:
+        """The state the lost generator had: the text of the earlier tokens,
+        of which only what the client lacks (held back there: part of a
+        character, or what could begin a stop string) is still to be sent,
+        and where a stop string may begin. `min_tokens` counts from here,
+        as the moved request's sampling does."""
+        state = cls.create(tokenizer, stop, min_tokens + len(resumed.token_ids))
+        for token_id in resumed.token_ids:
+            state.token_ids.append(token_id)
+            state.text += state.detokenizer.push(token_id)
+        state.sent = min(resumed.text_sent, len(state.text))
+        return state
 
     def push(self, token_id: int) -> str:
         """Add a token; the text that may be sent now. Sets `stopped` when a

@@ -48,9 +48,10 @@ class PenaltyPool:
         self.seen: torch.Tensor | None = None     # [capacity, vocab] bool
         self.free = list(range(capacity - 1, -1, -1))
 
-    def take(self, prompt_ids: list[int]) -> int:
-        """A row for a new request, its prompt's tokens marked as seen. The
-        pool doubles when full (preempted requests keep their rows)."""
+    def take(self, prompt_ids: list[int], earlier_output: tuple[int, ...] = ()) -> int:
+        """A row for a new request, its prompt's tokens marked as seen, and
+        the output it produced before a move (the end of its prompt here)
+        counted. The pool doubles when full (preempted requests keep their rows)."""
         if self.counts is None:
             self.counts = torch.zeros(self.capacity, self.vocab_size, dtype=torch.float32, device=self.device)
             self.seen = torch.zeros(self.capacity, self.vocab_size, dtype=torch.bool, device=self.device)
@@ -64,6 +65,8 @@ class PenaltyPool:
         self.seen[row].zero_()
         self.seen[row, device_tensor([t for t in prompt_ids if 0 <= t < self.vocab_size], torch.long,
                                      self.device)] = True
+        if earlier_output:
+            self.record([row] * len(earlier_output), list(earlier_output))
         return row
 
     def give_back(self, row: int) -> None:

@@ -25,7 +25,7 @@ from pipeline import protocol
 from pipeline.arena import ring
 from pipeline.arena.reader import ArenaReader
 from pipeline.engine.engine import Engine
-from pipeline.engine.output import RequestOutput
+from pipeline.engine.output import RequestOutput, Resumed
 from pipeline.sampling_params import SamplingParams
 from pipeline.models.spec import span_rows
 from pipeline.generator.arena_waits import ArenaWaits
@@ -218,7 +218,8 @@ class GeneratorService:
             # video's runs share its input, as they share its key).
             rows = span_rows(self.engine.model.spec, prompt.grids, prompt.image_spans)
             inputs = [inputs[r.item] for r in rows]
-        self.engine.add_request(req.request_id, prompt, list(req.image_keys), params, inputs)
+        resumed = Resumed(req.resumed_output, req.resumed_text_sent) if req.resumed_output else None
+        self.engine.add_request(req.request_id, prompt, list(req.image_keys), params, inputs, resumed)
 
     def release(self, ready: protocol.EmbeddingReady) -> None:
         """Give a handle's lease back unread."""

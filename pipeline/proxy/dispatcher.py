@@ -7,7 +7,11 @@ Failure handling:
 - a generator that stops answering: its requests move to another generator.
   One that has produced tokens resumes there: the tokens so far are appended
   to its prompt and only the rest is generated, so the client's stream just
-  goes on (usage still counts them as completion tokens);
+  goes on (usage still counts them as completion tokens). The new generator
+  learns which tokens those were and how much of their text was sent: text
+  the lost one held back (part of a character, the start of a possible stop
+  string) still arrives, and a stop string, a grammar and the penalties go
+  on across the move;
 - a stage restarted faster than the down timeout never looks down, but its
   stats carry a new incarnation: its requests move, or its encode jobs are
   sent again, as if it had been down;
@@ -226,6 +230,7 @@ class Dispatcher:
             flight.last_token_at = now
         flight.tokens += len(delta.token_ids)
         flight.token_ids += delta.token_ids
+        flight.text_sent += len(delta.text)
         if delta.finished and flight.resumed_from:
             delta = msgspec.structs.replace(
                 delta, prompt_tokens=delta.prompt_tokens - flight.resumed_from,
@@ -377,12 +382,16 @@ class Dispatcher:
                                               len(flight.token_ids)))
 
     def _resume_point(self, flight: Flight) -> None:
-        """Make the request continue after the tokens it already produced."""
+        """Make the request continue after the tokens it already produced.
+        The next generator is told which they are and how much of their text
+        the client has, so it sends what the lost one held back and carries
+        on its stop strings, grammar and penalties."""
         done = flight.token_ids[flight.resumed_from:]
         request = flight.work.request
         s = request.sampling
         sampling = msgspec.structs.replace(s, max_tokens=max(1, s.max_tokens - len(done)),
                                            min_tokens=max(0, s.min_tokens - len(done)))
         flight.work.request = msgspec.structs.replace(
-            request, prompt_token_ids=request.prompt_token_ids + tuple(done), sampling=sampling)
+            request, prompt_token_ids=request.prompt_token_ids + tuple(done), sampling=sampling,
+            resumed_output=tuple(flight.token_ids), resumed_text_sent=flight.text_sent)
         flight.resumed_from = len(flight.token_ids)

@@ -47,6 +47,7 @@ class Flight:
     tokens: int = 0
     token_ids: list[int] = field(default_factory=list)   # generated so far
     resumed_from: int = 0      # tokens generated before the last move to another generator
+    text_sent: int = 0         # characters of text the deltas brought (a moved request goes on from them)
     encoders: dict[str, list[str]] = field(default_factory=dict)   # job id -> encoders tried
     attempt: int = 0           # dispatches so far, less one
     wanted: set[str] = field(default_factory=set)   # job ids its generator asked for again
