@@ -245,6 +245,8 @@ class TokenDelta(_Msg, tag="delta"):
     status: int = 0
     # Per token of token_ids when the request asked: (its logprob, the top ids, their logprobs).
     logprobs: tuple[tuple[float, tuple[int, ...], tuple[float, ...]], ...] = ()
+    # On the last, as vLLM's stop_reason: the stop string or the stop token id that ended it.
+    stop_reason: str | int | None = None
     # On the last delta: seconds queued, in prefill, in decode at its generator (engine/request_phases.py).
     phases: tuple[float, ...] = ()
 

@@ -187,6 +187,18 @@ def test_stop_token_ids_end_the_answer_at_that_token(epd, tiny_dir, tmp_path):
     assert reason == "stop" and usage.completion_tokens == cut + 1
     # As vLLM: the stop token's own text is left out of the answer.
     assert got == epd_generate(tiny_dir, tmp_path, [], text, max_tokens=cut)["text"]
+    # And stop_reason names it, whole and streamed; a length limit leaves it null.
+    body = {"model": "tiny", "messages": chat_messages([], text), "max_tokens": 12, "temperature": 0,
+            "stop_token_ids": [ids[cut]]}
+    whole = httpx.post(epd.base_url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert whole["choices"][0]["stop_reason"] == ids[cut]
+    with httpx.stream("POST", epd.base_url + "/v1/chat/completions", timeout=60, json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [(c["choices"][0]["finish_reason"], c["choices"][0]["stop_reason"]) for c in chunks if c["choices"]][-1] \
+        == ("stop", ids[cut])
+    short = httpx.post(epd.base_url + "/v1/chat/completions", json={**body, "max_tokens": 1, "stop_token_ids": []},
+                       timeout=60).json()
+    assert short["choices"][0]["finish_reason"] == "length" and short["choices"][0]["stop_reason"] is None
 
 
 def test_a_client_that_hangs_up_is_aborted_within_100_ms(epd):

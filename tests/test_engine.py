@@ -188,6 +188,8 @@ def test_sampling_options(tiny):
     prompt, keys, _ = make_request(processor, 5, 0)
     engine = Engine(model, processor.tokenizer, EngineConfig(), torch.device("cpu"))
 
+    stop_reasons = {}   # request id -> its last output's stop_reason
+
     def run(rid, **params):
         engine.add_request(rid, prompt, [], SamplingParams(**params))
         tokens, reason, text = [], None, ""
@@ -196,6 +198,7 @@ def test_sampling_options(tiny):
                 tokens += out.new_token_ids
                 text += out.new_text
                 reason = out.finish_reason or reason
+                stop_reasons[rid] = out.stop_reason
         return tokens, reason, text
 
     greedy, _, greedy_text = run("g", max_tokens=10, ignore_eos=True)
@@ -211,15 +214,24 @@ def test_sampling_options(tiny):
     first = greedy.index(stop_id)
     tokens, reason, text = run("stopid", max_tokens=10, stop_token_ids=[stop_id], ignore_eos=True)
     assert tokens == greedy[:first + 1] and reason == "stop"
-    # As vLLM: the stop token ends the token ids, and its text is left out.
+    # As vLLM: the stop token ends the token ids, and its text is left out;
+    # stop_reason names it (None where a length limit ended the request).
     assert text == processor.tokenizer.decode(greedy[:first])
+    assert stop_reasons["stopid"] == stop_id and stop_reasons["g"] is None
+    # EOS is checked first (as vLLM): asked for as a stop token too, it names no stop_reason, unless ignored.
+    eos = processor.tokenizer.eos_token_ids[0]
+    for rid, ignore_eos, expected in (("eos", False, None), ("eos-ignored", True, eos)):
+        tokens, reason, _ = run(rid, max_tokens=4, logit_bias=((eos, 100.0),), stop_token_ids=[eos],
+                                ignore_eos=ignore_eos)
+        assert (tokens, reason, stop_reasons[rid]) == ([eos], "stop", expected)
     tokens, reason, _ = run("min", max_tokens=10, min_tokens=6, stop_token_ids=[stop_id], ignore_eos=True)
     assert stop_id not in tokens[:6]
     # A stop string cuts the text before it and is never sent in part.
     target = greedy_text[5:8]
     assert target.strip(), "the tiny model's greedy text has no stop string to test with"
-    _, reason, text = run("stopstr", max_tokens=10, stop=[target], ignore_eos=True)
+    _, reason, text = run("stopstr", max_tokens=10, stop=["never there", target], ignore_eos=True)
     assert reason == "stop" and target not in text and greedy_text.startswith(text)
+    assert stop_reasons["stopstr"] == target
     # Not before min_tokens (as vLLM): the stop string found first is passed.
     tokens, reason, text = run("minstr", max_tokens=10, min_tokens=10, stop=[target], ignore_eos=True)
     assert tokens == greedy and reason == "length" and text == greedy_text

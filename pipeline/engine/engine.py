@@ -52,6 +52,7 @@ class _Live:
     pool_row: int | None = None   # in the engine's PenaltyPool, from the request's first sampled token on
     matcher: Any = None           # its grammar's matcher (structured output), if any
     earlier_output: tuple[int, ...] = ()   # tokens produced before a move here (Resumed), counted as output
+    stop_token_ids: frozenset[int] = frozenset()   # asked for; they, not EOS, name a stop_reason
     phases: RequestPhases = field(default_factory=RequestPhases)
 
 
@@ -154,6 +155,8 @@ class Engine:
                                                        list(prompt.seconds_per_grid) or None)
         inputs = dict(zip(image_keys, image_inputs)) if image_inputs else {}
         earlier = resumed.token_ids if resumed else ()
+        # As vLLM, EOS is checked first: one also asked for as a stop token ends the request for itself.
+        eos_named = frozenset() if params.ignore_eos else frozenset(request.eos_token_ids)
         if tuple(prompt.token_ids[len(prompt.token_ids) - len(earlier):]) != earlier:
             raise ValueError("a resumed request's prompt must end with the tokens it had produced")
         matcher = self.grammars().matcher(params.grammar) if params.grammar else None   # GrammarError: a 400
@@ -163,7 +166,8 @@ class Engine:
                 else TextState.create(self.tokenizer, params.stop, params.min_tokens))
         self.scheduler.add_request(request)
         self.live[request_id] = _Live(PromptGeometry(positions, delta), text, make_generator(params), inputs,
-                                      matcher=matcher, earlier_output=earlier)
+                                      matcher=matcher, earlier_output=earlier,
+                                      stop_token_ids=frozenset(params.stop_token_ids) - eos_named)
 
     def add_embedding(self, key: str, embedding: torch.Tensor) -> None:
         """An image embedding arrived; kept pending until a request needs it
@@ -371,6 +375,8 @@ class Engine:
         self._forget(request_id)
         # A stop string the last allowed token completed ends it as "stop", not "length".
         reason = "stop" if live.text.stopped else finished.finish_reason
+        # vLLM's stop_reason: the stop token id asked for, or the stop string, that ended it.
+        stop_reason = (token if token in live.stop_token_ids else None) if stop_token else live.text.stop_string
         return RequestOutput(request_id, (token,), delta, True, reason,
                              finished.num_prompt_tokens, len(finished.output_token_ids), logprobs=chosen,
-                             phases=live.phases.durations(time.monotonic()))
+                             phases=live.phases.durations(time.monotonic()), stop_reason=stop_reason)

@@ -28,6 +28,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None
     logprobs: tuple = ()   # engine/logprobs.py's TokenLogprobs per new token, when asked for
+    stop_reason: str | int | None = None   # on the last, as vLLM: the stop string or stop token id that ended it
     phases: tuple[float, ...] = ()   # on the last: (queue, prefill, decode) seconds (engine/request_phases.py)
 
 
@@ -52,6 +53,7 @@ class TextState:
     text: str = ""
     sent: int = 0
     stopped: bool = False
+    stop_string: str | None = None   # the one that matched, once stopped
     token_ids: list[int] = field(default_factory=list)
 
     @classmethod
@@ -89,9 +91,10 @@ class TextState:
         if self.stop and not self.stopped and len(self.token_ids) >= self.min_tokens:
             # Search only where a new match can start.
             start = max(0, self.sent - max(len(s) for s in self.stop) + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(at, s) for at, s in ((self.text.find(s, start), s) for s in self.stop) if at >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                at, self.stop_string = min(hits)
+                self.text = self.text[:at]
                 self.stopped = True
         limit = len(self.text)
         if self.stop and not self.stopped and not final:

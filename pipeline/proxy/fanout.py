@@ -135,7 +135,7 @@ class ManyChoices:
                                              "code": delta.status or 500}})
                 return
             payload = deltas[index].delta(delta.text, delta.finished) if chat else delta.text
-            chunk = stream.chunk(payload, deltas[index].finish_reason(delta.finish_reason) or None)
+            chunk = stream.chunk(payload, deltas[index].finish_reason(delta.finish_reason) or None, delta.stop_reason)
             chunk["choices"][0]["index"] = index
             if flights[index].work.request.sampling.logprobs is not None:
                 entries = entries_of(delta)

@@ -26,7 +26,7 @@ def usage_of(delta: protocol.TokenDelta) -> dict:
 
 def response_body(rid, model_id, text, last, chat, tools: bool = False) -> dict:
     """tools: the request's tool calls are parsed out of the text."""
-    choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+    choice = {"index": 0, "finish_reason": last.finish_reason, "stop_reason": last.stop_reason, "logprobs": None}
     if chat and tools:
         content, calls = parse_tool_calls(text)
         choice["message"] = {"role": "assistant", "content": content}

@@ -243,7 +243,7 @@ class ProxyApp(ManyChoices):
                 break
             payload = deltas.delta(delta.text, delta.finished) if stream.chat else delta.text
             if (payload if stream.tools else delta.text) or delta.finished or delta.logprobs:
-                chunk = stream.chunk(payload, deltas.finish_reason(delta.finish_reason) or None)
+                chunk = stream.chunk(payload, deltas.finish_reason(delta.finish_reason) or None, delta.stop_reason)
                 if flight.work.request.sampling.logprobs is not None:
                     chunk["choices"][0]["logprobs"] = self._chunk_logprobs(stream, delta)
                 await stream.send(chunk)
@@ -284,8 +284,8 @@ class _Stream:
     text_offset: int = 0   # the completions API's logprobs count characters from the start
     tools: bool = False    # tool calls are parsed out of the chat text
 
-    def chunk(self, payload, finish_reason) -> dict:
-        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def chunk(self, payload, finish_reason, stop_reason: str | int | None = None) -> dict:
+        choice = {"index": 0, "finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": None}
         if self.chat:
             choice["delta"] = payload or {}
         else:
