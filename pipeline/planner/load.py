@@ -10,7 +10,9 @@ it fits the default 2048-token budget beside the decodes).
 vision: vision forwards of LOAD_VISION_BATCH (8) images of --width x --height.
 --duty F: busy F of the time (after each unit of work it idles
 (1/F - 1) times as long); 1 runs back to back. Prints READY once the loop
-runs; SIGTERM stops it.
+runs; SIGTERM stops it. --report-every S: a PROGRESS line every S seconds
+(units of work done, seconds since READY), for a caller that wants the
+load's own rate (scripts/gpu_sm_share_sweep.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.planner.measure import READY, Box, MeasureSettings
+from pipeline.planner.measure import PROGRESS, READY, Box, MeasureSettings
 from pipeline.planner.profile import LOAD_VISION_BATCH
 
 DECODING = 32
@@ -43,6 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--context-len", type=int, default=1024)
     p.add_argument("--vision-graphs", type=int, default=0)
     p.add_argument("--duty", type=float, default=1.0, help="share of the time spent working, in (0, 1]")
+    p.add_argument("--report-every", type=float, default=0.0, metavar="S", help="a progress line every S seconds")
     args = p.parse_args(argv)
     if not 0 < args.duty <= 1:
         p.error("--duty must be in (0, 1]")
@@ -77,10 +80,16 @@ def main(argv: list[str]) -> int:
         work()
         box.sync()
         print(READY, flush=True)
+        units, since = 0, time.perf_counter()
+        reported = since
         while not stopping:
             started = time.perf_counter()
             work()
             box.sync()
+            units += 1
+            if args.report_every and started - reported >= args.report_every:
+                reported = started
+                print(f"{PROGRESS} {units} {time.perf_counter() - since:.4f}", flush=True)
             if idle_per_busy:
                 time.sleep((time.perf_counter() - started) * idle_per_busy)
     return 0

@@ -44,6 +44,7 @@ from pipeline.processing.tokenizer import Tokenizer
 
 log = logging.getLogger("epd.plan")
 READY = "epd-plan-load ready"  # the load child's line once its loop runs
+PROGRESS = "epd-plan-load progress"  # with --report-every: units done, seconds since READY
 DECODE_STEPS_PER_SAMPLE = 4   # run back to back; the drain at a sample's ends costs 1/4 of a step's overlap
 
 
