@@ -25,12 +25,13 @@ import zmq
 
 from pipeline import protocol, transport
 from pipeline.arena import ring
-from pipeline.arg_parser import OneLineParser, at_least_one
+from pipeline.arg_parser import OneLineParser
 from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.engine.engine import Engine, EngineConfig
-from pipeline.engine.kv_budget import (
-    GIB, DeviceMemory, LanguageShape, activation_reserve, auto_kv_cache_bytes, embedding_bytes, forward_peak_bytes)
+from pipeline.engine.kv_budget import GIB
 from pipeline.encoder.service import job_video_options
+from pipeline.generator.kv_sizing import (
+    AUTO, CPU_KV_CACHE_MIB, check_context, kv_cache_bytes, kv_cache_mib_arg, utilization_arg)
 from pipeline.generator.internal import AskerRestarted, DecodeSkips, prepare_unless_aborted
 from pipeline.generator.local_encode import LocalEncoder, decode_job
 from pipeline.generator.media_budget import HeldBytes
@@ -53,28 +54,6 @@ from pipeline.watchdog import HangWatchdog, add_hang_timeout_flag
 
 log = logging.getLogger("epd.generator")
 
-AUTO = "auto"
-# --kv-cache-mib auto off CUDA: enough for tests and a few requests on a
-# laptop (~7k tokens of a 3B model); there is no device memory to size from.
-CPU_KV_CACHE_MIB = 256
-
-
-def kv_cache_mib_arg(text: str) -> int | str:
-    if text == AUTO:
-        return AUTO
-    return at_least_one(text, "MiB", ", or auto")
-
-
-def utilization_arg(text: str) -> float:
-    try:
-        share = float(text)
-    except ValueError:
-        share = 0.0
-    if not 0 < share <= 1:   # also false for nan
-        raise argparse.ArgumentTypeError(f"{text!r}: want a share of the GPU's memory in (0, 1], e.g. 0.9")
-    return share
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = OneLineParser(prog="stages.generator", description=__doc__.splitlines()[0])
     p.add_argument("--address", required=True, help="inbox address to bind (ipc:// or tcp://)")
@@ -95,6 +74,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=utilization_arg, default=0.9, metavar="F",
                    help="CUDA, --kv-cache-mib auto: the share of the GPU's total memory this process may use "
                         "in all: weights, KV cache, activations, CUDA graphs (default: 0.9)")
+    p.add_argument("--max-model-len", type=int, metavar="N",
+                   help="prompt plus output tokens a request may have: the KV cache must hold one such request, "
+                        "or the generator does not start (default: the checkpoint's context)")
     p.add_argument("--encoder-cache-tokens", type=int, default=16384)
     p.add_argument("--local-encode-tokens", type=int, default=8192,
                    help="aggregated mode, --encode-fallback local: visual tokens encoded here per step")
@@ -133,9 +115,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "CUDA graphs (the default wherever decode runs them)")
     add_log_flags(p)
     args = p.parse_args(argv)
-    for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "encoder_cache_tokens",
+    for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len", "encoder_cache_tokens",
                  "local_encode_tokens", "media_decode_workers", "media_budget_mib"):
-        if getattr(args, name) < 1:
+        value = getattr(args, name)
+        if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     check_vision_graph_flags(p, args)
     if args.prefill_pacing_ms is not None and not args.prefill_pacing_ms > 0:
@@ -162,6 +145,7 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
     # Before the KV cache is sized: its weights are then counted as held.
     tower = fallback_tower(args, model, model_dir, dtype, device) if args.encode_fallback == "local" else None
     kv_bytes, sized_by = kv_cache_bytes(args, model, device)
+    check_context(args, model, kv_bytes, sized_by)
     config = EngineConfig(args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
                           kv_bytes, args.encoder_cache_tokens, aggregated,
                           args.local_encode_tokens, fast_mixed=False if args.eager_mixed else None,
@@ -200,38 +184,6 @@ def fallback_tower(args: argparse.Namespace, model: torch.nn.Module, model_dir: 
     if tower is not None and not any(p.is_meta for p in tower.parameters()):
         return tower
     return load_stage_model(model_dir, args.random_weights, dtype, device, part="visual")
-
-
-def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> tuple[int, str]:
-    """The KV cache's bytes from --kv-cache-mib, and how they were chosen (for
-    the log). Call with the weights on the device and nothing else yet."""
-    if args.kv_cache_mib != AUTO:
-        return args.kv_cache_mib << 20, f"--kv-cache-mib {args.kv_cache_mib}"
-    if device.type != "cuda":
-        return CPU_KV_CACHE_MIB << 20, f"--kv-cache-mib auto on {device.type}"
-    lang, vision = model.spec.language, model.spec.vision
-    dtype_bytes = next(model.parameters()).element_size()
-    shape = LanguageShape(lang.num_layers, lang.kv_heads, lang.head_dim, lang.hidden_size,
-                          lang.intermediate_size, lang.vocab_size, lang.max_context, dtype_bytes)
-    vision_bytes = 0
-    if args.mode == "aggregated" or args.encode_fallback == "local":
-        patches = args.local_encode_tokens * vision.patches_per_token
-        vision_bytes = forward_peak_bytes(patches, vision.hidden_size, vision.intermediate_size, dtype_bytes)
-        vision_bytes += args.media_budget_mib << 20   # decoded media wait on the device (receive)
-    spec = model.spec
-    embeddings = embedding_bytes(args.encoder_cache_tokens, spec.embedding_width, lang.hidden_size,
-                                 spec.side_levels, args.max_num_batched_tokens, dtype_bytes)
-    reserve = activation_reserve(shape, args.max_num_batched_tokens, args.max_num_seqs, vision_bytes, embeddings)
-    # Loading leaves freed staging buffers in torch's cache: hand them back,
-    # so that what the allocator holds is the weights and `free` is true.
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    memory = DeviceMemory(total, free, torch.cuda.memory_reserved(device))
-    kv_bytes = auto_kv_cache_bytes(memory, args.gpu_memory_utilization, reserve, shape.kv_bytes_per_token,
-                                   args.max_num_batched_tokens, args.block_size)
-    return kv_bytes, (f"--kv-cache-mib auto: {args.gpu_memory_utilization:g} of {total / GIB:.1f} GiB, "
-                      f"{free / GIB:.1f} GiB free; weights {memory.held / GIB:.1f} GiB, "
-                      f"{reserve / GIB:.1f} GiB kept for activations, CUDA graphs and image embeddings")
 
 
 def media_decoder(backend: str, video_backend: str, device, model_dir: Path, video_config):

@@ -1,17 +1,24 @@
 """The generator's KV cache flags: --kv-cache-mib N|auto and
 --gpu-memory-utilization, parsed, refused in one line, and turned into bytes
-(on the CPU, and on a GPU faked through torch.cuda's memory queries)."""
+(on the CPU, and on a GPU faked through torch.cuda's memory queries); and
+--max-model-len, which the KV cache must hold one request of at start-up."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.engine.kv_budget import CUDA_CONTEXT_BYTES, GIB
+from pipeline.engine.kv_budget import CUDA_CONTEXT_BYTES, GIB, check_max_model_len
+from pipeline.generator.kv_sizing import check_context, kv_cache_bytes
 from pipeline.models.loader import load_model
-from stages.generator import kv_cache_bytes, parse_args
+from stages.generator import parse_args
 
 ADDRESS = ["--address", "ipc:///tmp/unused.sock"]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +104,41 @@ def test_auto_on_a_full_gpu_is_a_value_error_naming_the_flags(tiny_model, fake_h
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
         kv_cache_bytes(parse_args(ADDRESS), tiny_model, torch.device("cuda", 0))
 
+
+
+def test_max_model_len_must_fit_the_kv_cache_at_start_up(tiny_model):
+    # The tiny model: 3 layers, 2 KV heads of 16, float32: 768 bytes a token;
+    # 4 MiB hold 341 blocks of 16, 5456 tokens, under its 8192-token context.
+    lang = tiny_model.spec.language
+    assert lang.max_context == 8192
+    with pytest.raises(ValueError) as exc:
+        check_context(parse_args([*ADDRESS, "--kv-cache-mib", "4"]), tiny_model, 4 << 20, "--kv-cache-mib 4")
+    text = str(exc.value)
+    assert "holds 5456 tokens" in text and "--max-model-len 8192" in text and "at most 5456" in text
+    check_context(parse_args([*ADDRESS, "--kv-cache-mib", "4", "--max-model-len", "5456"]), tiny_model, 4 << 20, "")
+    with pytest.raises(ValueError, match="holds 5456 tokens"):
+        check_context(parse_args([*ADDRESS, "--max-model-len", "5457"]), tiny_model, 4 << 20, "")
+    with pytest.raises(ValueError, match="this checkpoint takes 1 to 8192"):
+        check_context(parse_args([*ADDRESS, "--max-model-len", "8193"]), tiny_model, 64 << 20, "")
+
+
+def test_check_max_model_len_counts_whole_blocks():
+    check_max_model_len(kv_bytes=10 * 16 * 100, kv_bytes_per_token=100, block_size=16, max_model_len=160, sized_by="")
+    with pytest.raises(ValueError, match="holds 144 tokens"):   # 159 tokens' bytes: 9 whole blocks
+        check_max_model_len(159 * 100, 100, 16, 145, "")
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_a_max_model_len_under_one_exits_2(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([*ADDRESS, "--max-model-len", value])
+    assert exit_.value.code == 2 and "--max-model-len must be at least 1" in capsys.readouterr().err
+
+
+def test_a_generator_whose_kv_cache_is_too_small_exits_1_in_one_line(tmp_path, tiny_dir):
+    proc = subprocess.run([sys.executable, "-m", "stages.generator", "--address", f"ipc://{tmp_path}/gen.sock",
+                           "--model", str(tiny_dir), "--device", "cpu", "--cpu-threads", "1", "--kv-cache-mib", "2"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("stages.generator: error:")]
+    assert len(lines) == 1 and "lower --max-model-len to at most 2720" in lines[0], proc.stderr[-2000:]

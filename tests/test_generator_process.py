@@ -40,9 +40,9 @@ def stages(tiny_dir, tmp_path):
         start(["stages.encoder", "--address", addr["enc"], "--model", str(tiny_dir), "--device", "cpu", "--cpu-threads", "1",
                "--instance", instance, "--media-backend", "pillow", "--arena-mib", "8", "--model-id", "tiny"], log),
         start(["stages.generator", "--address", addr["gen"], "--model", str(tiny_dir), "--device", "cpu", "--cpu-threads", "1",
-               "--encoders", addr["enc"], "--kv-cache-mib", "4", "--embedding-timeout", "8"], log),
+               "--encoders", addr["enc"], "--kv-cache-mib", "8", "--embedding-timeout", "8"], log),
         start(["stages.generator", "--address", addr["agg"], "--model", str(tiny_dir), "--device", "cpu", "--cpu-threads", "1",
-               "--mode", "aggregated", "--media-backend", "pillow", "--kv-cache-mib", "4"], log),
+               "--mode", "aggregated", "--media-backend", "pillow", "--kv-cache-mib", "8"], log),
     ]
     yield addr, procs, run / "stages.log"
     stop(procs, instance, log)
@@ -317,7 +317,7 @@ def small_cache_stages(tiny_dir, tmp_path):
         start(["stages.encoder", "--address", addr["enc"], "--model", str(tiny_dir), "--device", "cpu", "--cpu-threads", "1",
                "--instance", instance, "--media-backend", "pillow", "--arena-mib", "8", "--model-id", "tiny"], log),
         start(["stages.generator", "--address", addr["gen"], "--model", str(tiny_dir), "--device", "cpu", "--cpu-threads", "1",
-               "--encoders", addr["enc"], "--kv-cache-mib", "4", "--encoder-cache-tokens", "24",
+               "--encoders", addr["enc"], "--kv-cache-mib", "8", "--encoder-cache-tokens", "24",
                "--max-num-seqs", "1"], log),
     ]
     yield addr, tmp_path / "stages.log"

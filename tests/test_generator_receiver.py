@@ -21,7 +21,7 @@ def quiet_main(monkeypatch):
 
 def run_main(tmp_path, tiny_dir) -> int:
     return generator.main(["--address", f"ipc://{tmp_path}/gen.sock", "--model", str(tiny_dir), "--device", "cpu",
-                           "--kv-cache-mib", "4", "--cpu-threads", "1"])
+                           "--kv-cache-mib", "8", "--cpu-threads", "1"])
 
 
 def test_a_receiver_that_raises_stops_the_generator_with_a_failing_exit(tmp_path, tiny_dir, monkeypatch,

@@ -96,6 +96,7 @@ def test_the_engine_flags_parse_in_the_generator_and_the_proxy(tiny_dir):
     generator = next(s for s in specs if s.role == "generator")
     parsed = generator_args(list(generator.args))
     assert (parsed.gpu_memory_utilization, parsed.max_num_seqs, parsed.max_num_batched_tokens) == (0.7, 8, 4096)
+    assert parsed.max_model_len == 1024   # its KV cache is checked against it at start-up
     assert parsed.prefill_pacing_ms is None   # off unless asked for
     proxy = next(s for s in specs if s.role == "proxy")
     parsed = proxy_args(list(proxy.args))

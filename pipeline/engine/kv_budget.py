@@ -127,6 +127,23 @@ def auto_kv_cache_bytes(memory: DeviceMemory, utilization: float, reserve: int, 
     return budget
 
 
+def check_max_model_len(kv_bytes: int, kv_bytes_per_token: int, block_size: int, max_model_len: int,
+                        sized_by: str) -> None:
+    """ValueError, naming the sizes and the flags to change, if a KV cache of
+    `kv_bytes` cannot hold one request of `max_model_len` tokens (vLLM's
+    start-up check: a request the API accepts must be able to run).
+    `sized_by`: how the cache's size was chosen, for the message."""
+    bytes_per_block = kv_bytes_per_token * block_size
+    tokens = kv_bytes // bytes_per_block * block_size
+    if tokens >= max_model_len:
+        return
+    needed = blocks_needed(max_model_len, block_size) * bytes_per_block
+    raise ValueError(
+        f"the KV cache holds {tokens} tokens ({_gib(kv_bytes)} GiB, {sized_by}), fewer than one request of "
+        f"--max-model-len {max_model_len} needs ({_gib(needed)} GiB); give the cache more memory "
+        f"(--gpu-memory-utilization, --kv-cache-mib) or lower --max-model-len to at most {tokens}")
+
+
 def _mixed_buckets(max_num_batched_tokens: int) -> int:
     """How many token buckets MixedGraphs captures for this budget."""
     top = mixed_graphs.token_bucket(max_num_batched_tokens, mixed_graphs.MIN_TOKENS)

@@ -89,8 +89,8 @@ def build_parser() -> OneLineParser:
     engine.add_argument("--max-num-seqs", type=int, metavar="N", help="requests a generator runs at once")
     engine.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens a step may compute")
     engine.add_argument("--max-model-len", type=int, metavar="N",
-                        help="prompt plus output tokens a request may have (the proxy refuses more; default: the "
-                        "checkpoint's)")
+                        help="prompt plus output tokens a request may have (the proxy refuses more, and a generator "
+                        "whose KV cache cannot hold one such request does not start; default: the checkpoint's)")
     engine.add_argument("--limit-mm-per-prompt", type=_mm_limits, metavar="JSON",
                         help='e.g. \'{"image": 4, "video": 1}\': the proxy refuses a request with more media; '
                         "our limit is one count over images and videos together (their sum)")
@@ -208,8 +208,8 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
             out += [(role, f"--{name.replace('_', '-')}={getattr(args, name)}") for role in ROLES]
     if args.encode_fallback != "off":
         out += [(role, f"--encode-fallback={args.encode_fallback}") for role in ("generator", "proxy")]
-    if args.max_model_len is not None:
-        out.append(("proxy", f"--max-model-len={args.max_model_len}"))
+    if args.max_model_len is not None:   # the proxy refuses longer requests; a generator checks its KV cache
+        out += [(role, f"--max-model-len={args.max_model_len}") for role in ("generator", "proxy")]
     if args.limit_mm_per_prompt is not None:
         out.append(("proxy", f"--max-images={sum(args.limit_mm_per_prompt.values())}"))
     if args.served_model_name:   # nargs="+" on the proxy: one flag, then every name
