@@ -6,6 +6,7 @@ it ended, its tokens and where its time went), stages that take
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -26,6 +27,7 @@ def test_a_finished_request_is_one_json_line_with_its_id_tokens_and_phases(logge
                    json={"model": "tiny", "messages": chat_messages([], "log me"), "max_tokens": 5,
                          "ignore_eos": True})
     assert r.status_code == 200 and r.headers["X-Request-Id"] == "client-id-42"
+    assert r.json()["id"] == "chatcmpl-client-id-42"   # vLLM's: the answer named by the id the client sent
     assert logged.wait_for_log('"request_id": "client-id-42"')
     line, = [json.loads(text) for text in logged.whole_log().splitlines()
              if text.startswith("{") and '"request_id": "client-id-42"' in text]
@@ -41,6 +43,25 @@ def test_a_finished_request_is_one_json_line_with_its_id_tokens_and_phases(logge
     assert bad.status_code == 400            # refused before it was sent on: no line, nothing finished
     # The generator ran at --log-level warning: none of its info lines (its "ready" line) are in the log.
     assert "epd.generator INFO" not in logged.whole_log()
+
+
+def test_answers_are_named_by_the_request_id_whole_streamed_and_with_n(logged):
+    url = logged.base_url + "/v1/completions"
+    body = {"model": "tiny", "prompt": "name me", "max_tokens": 3, "ignore_eos": True}
+    whole = httpx.post(url, timeout=60, headers={"X-Request-Id": "c-1"}, json={**body, "n": 2}).json()
+    assert whole["id"] == "cmpl-c-1" and len(whole["choices"]) == 2
+    with httpx.stream("POST", url, timeout=60, headers={"X-Request-Id": "c-2"}, json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks and {chunk["id"] for chunk in chunks} == {"cmpl-c-2"}
+    # The same id twice at once: each answer is whole (our routing ids differ).
+    with ThreadPoolExecutor(2) as pool:
+        same = list(pool.map(lambda _: httpx.post(url, timeout=60, headers={"X-Request-Id": "dup"},
+                                                  json={**body, "max_tokens": 12}).json(), range(2)))
+    assert [a["id"] for a in same] == ["cmpl-dup"] * 2 and all(a["usage"]["completion_tokens"] == 12 for a in same)
+    # Without one, the id is ours, the same as the X-Request-Id header we answer with.
+    r = httpx.post(logged.base_url + "/v1/chat/completions", timeout=60,
+                   json={"model": "tiny", "messages": chat_messages([], "x"), "max_tokens": 2})
+    assert r.json()["id"] == "chatcmpl-" + r.headers["X-Request-Id"]
 
 
 def test_max_model_len_bounds_prompt_and_output(logged):

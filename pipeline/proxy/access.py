@@ -53,6 +53,14 @@ def request_id_of(request: web.Request) -> str:
     return uuid.uuid4().hex
 
 
+def response_id(request: web.Request, chat: bool) -> str:
+    """The `id` of an answer, as vLLM names it: chatcmpl- or cmpl- and the
+    request's X-Request-Id (the client's, else ours), so that a client can
+    find its answer in our logs by the id it sent. Our own routing id stays
+    apart from it: two clients may send the same X-Request-Id."""
+    return ("chatcmpl-" if chat else "cmpl-") + request[REQUEST_ID_KEY]
+
+
 def error_middleware(policy: AccessPolicy):
     """Outermost: names the request (X-Request-Id, echoed on every answer),
     checks the key, and turns whatever aiohttp or a handler raised into the

@@ -16,7 +16,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from pipeline.proxy.access import MODEL_NAME_KEY
+from pipeline.proxy.access import MODEL_NAME_KEY, response_id
 from pipeline.proxy.api_types import ApiError
 from pipeline.proxy.flights import Flight, Work
 from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
@@ -55,10 +55,9 @@ class ManyChoices:
             if failed := next((d for d in firsts if d.finished and d.error), None):
                 self._abort_all(flights)
                 return error_response(failed)
-            rid = works[0].request.request_id.rsplit(".", 1)[0]
             if req.stream:
-                return await self._stream_many(request, req, rid, flights, firsts, chat)
-            return await self._whole_many(request, rid, flights, firsts, chat)
+                return await self._stream_many(request, req, flights, firsts, chat)
+            return await self._whole_many(request, flights, firsts, chat)
         except (asyncio.CancelledError, ConnectionResetError):
             self._abort_all(flights, client_gone=True)
             self.metrics.requests.labels("aborted").inc()
@@ -77,24 +76,24 @@ class ManyChoices:
                 if client_gone:
                     log_aborted(flight, time.monotonic())
 
-    async def _whole_many(self, request, rid: str, flights: list[Flight], firsts, chat: bool) -> web.Response:
+    async def _whole_many(self, request, flights: list[Flight], firsts, chat: bool) -> web.Response:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for index, (flight, delta) in enumerate(zip(flights, firsts)):
-            last, choice = await self._choice(request, rid, flight, delta, chat)
+            last, choice = await self._choice(request, flight, delta, chat)
             if last.error:
                 self._abort_all(flights)
                 return error_response(last)
             choice["index"] = index
             choices.append(choice)
             prompt_tokens, completion_tokens = last.prompt_tokens, completion_tokens + last.completion_tokens
-        body = response_body(rid, request[MODEL_NAME_KEY], "", firsts[0], chat)
+        body = response_body(response_id(request, chat), request[MODEL_NAME_KEY], "", firsts[0], chat)
         body["choices"] = choices
         body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                          "total_tokens": prompt_tokens + completion_tokens}
         return web.json_response(body)
 
-    async def _stream_many(self, request, req, rid: str, flights: list[Flight], firsts, chat: bool):
-        stream = await self._open_stream(request, rid, chat)
+    async def _stream_many(self, request, req, flights: list[Flight], firsts, chat: bool):
+        stream = await self._open_stream(request, chat)
         if chat:
             for index in range(1, len(flights)):
                 role = stream.chunk({"role": "assistant", "content": ""}, None)

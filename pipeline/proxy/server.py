@@ -13,7 +13,7 @@ from aiohttp import web
 
 from pipeline import protocol
 from pipeline.proxy.access import (ARRIVED_KEY, MODEL_NAME_KEY, PARSE_TOOLS_KEY, REQUEST_ID_KEY, AccessPolicy,
-                                   add_cors, echo_request_id, error_middleware)
+                                   add_cors, echo_request_id, error_middleware, response_id)
 from pipeline.proxy.api_types import ApiError, parse_body
 from pipeline.proxy.dispatcher import Dispatcher
 from pipeline.proxy.flights import Flight
@@ -165,14 +165,14 @@ class ProxyApp(ManyChoices):
                 # Text only: nothing about the input can be rejected from here
                 # on, so the headers and the role chunk go out while the
                 # generator works instead of after its first token.
-                stream = await self._open_stream(request, rid, chat)
+                stream = await self._open_stream(request, chat)
                 return await self._stream(stream, req, flight, await self._next(flight))
             first = await self._next(flight)
             if first.finished and first.error:
                 return error_response(first)   # e.g. a bad image: a 4xx, not a broken stream
             if req.stream:
-                return await self._stream(await self._open_stream(request, rid, chat), req, flight, first)
-            return await self._whole(request, rid, flight, first, chat)
+                return await self._stream(await self._open_stream(request, chat), req, flight, first)
+            return await self._whole(request, flight, first, chat)
         except (asyncio.CancelledError, ConnectionResetError):
             if self.dispatcher.abort(rid):    # still live: nothing has counted its tokens
                 self.metrics.generated(flight.tokens)
@@ -201,22 +201,22 @@ class ProxyApp(ManyChoices):
                     del self._clients[rid]
                     flight.deltas.put_nowait(CLIENT_GONE)
 
-    async def _whole(self, request, rid, flight, delta, chat):
-        last, choice = await self._choice(request, rid, flight, delta, chat)
+    async def _whole(self, request, flight, delta, chat):
+        last, choice = await self._choice(request, flight, delta, chat)
         if last.error:
             return error_response(last)
-        body = response_body(rid, request[MODEL_NAME_KEY], "", last, chat)
+        body = response_body(response_id(request, chat), request[MODEL_NAME_KEY], "", last, chat)
         body["choices"] = [choice]
         return web.json_response(body)
 
-    async def _choice(self, request, rid, flight, delta, chat) -> tuple[protocol.TokenDelta, dict]:
+    async def _choice(self, request, flight, delta, chat) -> tuple[protocol.TokenDelta, dict]:
         """Read a flight to its end: (its last delta, its choice of the answer)."""
         text, last, entries = delta.text, delta, entries_of(delta)
         while not last.finished:
             last = await self._next(flight)
             text += last.text
             entries += entries_of(last)
-        choice = response_body(rid, request[MODEL_NAME_KEY], text, last, chat,
+        choice = response_body("", request[MODEL_NAME_KEY], text, last, chat,
                                request.get(PARSE_TOOLS_KEY, False))["choices"][0]
         if flight.work.request.sampling.logprobs is not None:
             tokenizer = self.model.processor.tokenizer
@@ -224,11 +224,11 @@ class ProxyApp(ManyChoices):
                                   completion_logprobs(tokenizer, entries))
         return last, choice
 
-    async def _open_stream(self, request, rid, chat) -> _Stream:
+    async def _open_stream(self, request, chat) -> _Stream:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         echo_request_id(request, response)
         await response.prepare(request)
-        stream = _Stream(response, rid, request[MODEL_NAME_KEY], int(time.time()), chat,
+        stream = _Stream(response, response_id(request, chat), request[MODEL_NAME_KEY], int(time.time()), chat,
                          tools=request.get(PARSE_TOOLS_KEY, False))
         if chat:
             await stream.send(stream.chunk({"role": "assistant", "content": ""}, None))
