@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from pipeline import protocol
-from pipeline.proxy.api_types import NOT_YET_SUPPORTED, parse_body
+from pipeline.proxy.api_types import NOT_YET_SUPPORTED, ApiError, parse_body
 from pipeline.proxy.requests import completion_work
 from stages.proxy import build_app, parse_args
 
@@ -73,6 +73,14 @@ def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
             parse_body(json.dumps({"prompt": "x", field: value}).encode(), "completion")
 
 
+@pytest.mark.parametrize("status, kind", [
+    (400, "BadRequestError"), (401, "AuthenticationError"), (404, "NotFoundError"), (413, "BadRequestError"),
+    (429, "RateLimitError"), (500, "InternalServerError"), (503, "ServiceUnavailableError"),
+    (502, "InternalServerError")])
+def test_an_errors_type_follows_its_status_as_vllm_names_them(status, kind):
+    assert ApiError("x", status).body()["error"] == {"message": "x", "type": kind, "param": None, "code": status}
+
+
 def test_top_k_minus_one_is_off_and_below_is_refused(tiny_dir, tmp_path):
     import json
 
@@ -109,7 +117,7 @@ def test_api_key(tiny_dir, tmp_path):
     async def scenario(client, app):
         assert (await client.get("/v1/models")).status == 401
         wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
-        assert wrong.status == 401 and (await wrong.json())["error"]["type"] == "authentication_error"
+        assert wrong.status == 401 and (await wrong.json())["error"]["type"] == "AuthenticationError"
         assert (await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})).status == 200
         assert (await client.post("/tokenize", json={"prompt": "x"})).status == 401
         assert (await client.get("/version")).status == 200   # only the API routes by default
@@ -151,11 +159,12 @@ def test_request_ids_and_the_json_error_shape(tiny_dir, tmp_path):
         missing = await client.get("/v1/nothing-here", headers={"X-Request-Id": "r404"})
         assert missing.status == 404 and missing.headers["X-Request-Id"] == "r404"
         error = (await missing.json())["error"]
-        assert error["code"] == 404 and "/v1/nothing-here" in error["message"]
+        assert error["code"] == 404 and "/v1/nothing-here" in error["message"] and error["type"] == "NotFoundError"
         wrong_method = await client.get(CHAT)
         assert wrong_method.status == 405 and (await wrong_method.json())["error"]["code"] == 405
         refused = await client.post(CHAT, json=chat_body(function_call="auto"))
         assert refused.status == 400 and (await refused.json())["error"]["param"] == "function_call"
+        assert (await refused.json())["error"]["type"] == "BadRequestError"   # vLLM's type names
 
     serve(tiny_dir, tmp_path, scenario=scenario)
 

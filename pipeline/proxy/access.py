@@ -74,16 +74,14 @@ def error_middleware(policy: AccessPolicy):
         request[REQUEST_ID_KEY] = request_id
         try:
             if request.method != "OPTIONS" and policy.guards(request.path) and not _authorised(request, policy):
-                raise ApiError("Unauthorized: send the API key as 'Authorization: Bearer <key>'", status=401,
-                               kind="authentication_error")
+                raise ApiError("Unauthorized: send the API key as 'Authorization: Bearer <key>'", status=401)
             response = await handler(request)
         except ApiError as exc:
             response = _json_error(exc)
         except web.HTTPException as exc:   # aiohttp's own: no route (404), wrong method (405), body too large
             if exc.status < 400:
                 raise
-            kind = "NotFoundError" if exc.status == 404 else "invalid_request_error"
-            response = _json_error(ApiError(f"{exc.reason}: {request.method} {request.path}", exc.status, kind))
+            response = _json_error(ApiError(f"{exc.reason}: {request.method} {request.path}", exc.status))
         except ConnectionResetError:
             # The client hung up (a write found the connection closing): the
             # handler has aborted its request, and aiohttp drops such a
@@ -91,8 +89,7 @@ def error_middleware(policy: AccessPolicy):
             raise
         except Exception:
             log.exception("request %s (%s %s) failed", request_id, request.method, request.path)
-            response = _json_error(ApiError(f"internal server error (request id {request_id})", 500,
-                                            "InternalServerError"))
+            response = _json_error(ApiError(f"internal server error (request id {request_id})", 500))
         if not response.prepared:   # a stream already sent its headers, with the id (see echo_request_id)
             response.headers[REQUEST_ID] = request_id
         return response

@@ -16,14 +16,26 @@ import msgspec
 from pipeline.sampling_params import MAX_SEED
 
 
-class ApiError(Exception):
-    """A client error: HTTP `status` with an OpenAI-style body."""
+# An error's `type`, by its HTTP status, as vLLM names them (the names of
+# openai-python's exception classes).
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 422: "UnprocessableEntityError", 429: "RateLimitError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
 
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+
+
+class ApiError(Exception):
+    """A client error: HTTP `status` with an OpenAI-style body; its type
+    follows from the status (ERROR_TYPES) unless `kind` names one."""
+
+    def __init__(self, message: str, status: int = 400, kind: str | None = None,
                  param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.kind = kind
+        self.kind = kind or error_type(status)
         self.param = param
 
     def body(self) -> dict:

@@ -118,8 +118,7 @@ class Dispatcher:
 
     def submit(self, work: Work) -> Flight:
         if len(self.flights) >= self.max_in_flight:
-            raise ApiError("server busy: too many requests in flight, retry later", status=503,
-                           kind="server_busy")
+            raise ApiError("server busy: too many requests in flight, retry later", status=503)
         generator = self._pick_generator(exclude=())
         flight = Flight(work, generator, asyncio.Queue(), created=work.arrived or time.monotonic())
         self.flights[work.request.request_id] = flight
@@ -133,7 +132,7 @@ class Dispatcher:
     def _pick_generator(self, exclude) -> str:
         candidates = [g for g in self.generators if self.up(g) and g not in exclude]
         if not candidates:
-            raise ApiError("no generator is available", status=503, kind="server_busy")
+            raise ApiError("no generator is available", status=503)
         return least_loaded(candidates, self.load)
 
     def _dispatch(self, flight: Flight) -> None:

@@ -45,7 +45,7 @@ class ManyChoices:
 
     async def _serve_many(self, request: web.Request, req, works: list[Work], chat: bool) -> web.StreamResponse:
         if self.stopping:    # as in _serve: the drain ended while it read its images
-            raise ApiError("the server stopped before this request was sent on", status=503, kind="server_busy")
+            raise ApiError("the server stopped before this request was sent on", status=503)
         flights: list[Flight] = []
         try:
             for work in works:
@@ -130,8 +130,7 @@ class ManyChoices:
                 raise delta
             if delta.error:
                 self._abort_all(flights)
-                await stream.send({"error": {"message": delta.error, "type": "server_error",
-                                             "code": delta.status or 500}})
+                await stream.send(ApiError(delta.error, delta.status or 500).body())
                 return
             payload = deltas[index].delta(delta.text, delta.finished) if chat else delta.text
             chunk = stream.chunk(payload, deltas[index].finish_reason(delta.finish_reason) or None, delta.stop_reason)

@@ -61,7 +61,7 @@ class ModelInfo:
         if name is None:
             return self.names[0]
         if name not in self.names:
-            raise ApiError(f"The model `{name}` does not exist.", status=404, kind="NotFoundError", param="model")
+            raise ApiError(f"The model `{name}` does not exist.", status=404, param="model")
         return name
 
 

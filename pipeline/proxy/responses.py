@@ -15,7 +15,7 @@ from pipeline.proxy.tool_parser import ToolCallStream, parse_tool_calls
 def error_response(delta: protocol.TokenDelta) -> web.Response:
     """A request that ended in failure (already counted by the dispatcher)."""
     status = delta.status or 500
-    error = ApiError(delta.error, status=status, kind="invalid_request_error" if status < 500 else "server_error")
+    error = ApiError(delta.error, status=status)
     return web.json_response(error.body(), status=status)
 
 

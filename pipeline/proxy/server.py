@@ -156,7 +156,7 @@ class ProxyApp(ManyChoices):
 
     async def _serve(self, request: web.Request, req, work, chat: bool) -> web.StreamResponse:
         if self.stopping:    # it was still reading its images when the drain ended
-            raise ApiError("the server stopped before this request was sent on", status=503, kind="server_busy")
+            raise ApiError("the server stopped before this request was sent on", status=503)
         flight = self.dispatcher.submit(work)
         rid = work.request.request_id
         self._clients[rid] = (request, flight)
@@ -238,8 +238,7 @@ class ProxyApp(ManyChoices):
         deltas = ChatDeltas(stream.tools)
         while True:
             if delta.error:
-                await stream.send({"error": {"message": delta.error, "type": "server_error",
-                                             "code": delta.status or 500}})
+                await stream.send(ApiError(delta.error, delta.status or 500).body())
                 break
             payload = deltas.delta(delta.text, delta.finished) if stream.chat else delta.text
             if (payload if stream.tools else delta.text) or delta.finished or delta.logprobs:
