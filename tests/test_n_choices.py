@@ -1,7 +1,9 @@
 """n > 1 through the served stack (openai SDK): n choices with their
 indices, seeded ones reproducible wherever each copy runs, streamed equal
 to not streamed, usage counting the prompt once; greedy choices all equal
-the one greedy answer; a bad image still fails the request as a 400."""
+the one greedy answer; a bad image still fails the request as a 400. And a
+batch of completion prompts: each prompt's choices as if it came alone,
+numbered prompt by prompt, usage counting each prompt once."""
 
 from __future__ import annotations
 
@@ -63,3 +65,43 @@ def test_limits_and_bad_media_with_n(served):
         client(served).chat.completions.create(**bad)
     texts, _ = ask(served, 2, temperature=0)   # and the stack serves on
     assert len(texts) == 2
+
+
+def complete(stack, prompt, n=1, stream=False, **extra):
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=6, n=n, temperature=0, extra_body={"ignore_eos": True},
+                  **extra)
+    if not stream:
+        reply = client(stack).completions.create(**kwargs)
+        assert [c.index for c in reply.choices] == list(range(len(reply.choices)))
+        return [c.text for c in reply.choices], reply.usage
+    texts, usage = {}, None
+    for chunk in client(stack).completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    return [texts[i] for i in sorted(texts)], usage
+
+
+def test_a_batch_of_completion_prompts_is_answered_prompt_by_prompt(served):
+    prompts = ["The first one", "A second, longer prompt than the first", "Three"]
+    alone = [complete(served, p) for p in prompts]
+    texts, usage = complete(served, prompts)
+    assert texts == [text for (text,), _ in alone]   # greedy: each choice as its prompt alone
+    assert usage.prompt_tokens == sum(u.prompt_tokens for _, u in alone)   # each prompt once
+    assert usage.completion_tokens == 3 * 6
+    # n copies of each, choice k * n + i: prompt k's i-th (vLLM's numbering), streamed the same.
+    doubled, doubled_usage = complete(served, prompts, n=2)
+    assert doubled == [t for t in texts for _ in range(2)] and doubled_usage.prompt_tokens == usage.prompt_tokens
+    streamed, streamed_usage = complete(served, prompts, n=2, stream=True)
+    assert streamed == doubled and streamed_usage.completion_tokens == 6 * 6
+    # Token ids, one list or a batch of them.
+    ids = [[11, 12, 13], [21, 22]]
+    assert complete(served, ids)[0] == [complete(served, i)[0][0] for i in ids]
+
+
+@pytest.mark.parametrize("prompt, fragment", [
+    ([], "non-empty list"), (["a", [1, 2]], "non-empty list"), ([[1, 2], []], "a prompt of the batch is empty"),
+    (["a", ""], "a prompt of the batch is empty"), ([1, "a"], "non-empty list"), ({"a": 1}, "prompt")])
+def test_a_bad_batch_of_prompts_is_a_400_naming_the_prompt(served, prompt, fragment):
+    with pytest.raises(openai.BadRequestError, match=fragment):
+        client(served).completions.create(model="tiny", prompt=prompt, max_tokens=2)

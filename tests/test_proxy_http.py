@@ -92,7 +92,7 @@ def test_top_k_minus_one_is_off_and_below_is_refused(tiny_dir, tmp_path):
     model = ModelInfo("tiny", processor, 512, b"salt")
     for top_k in (-1, 0):
         req = parse_body(json.dumps({"prompt": "x", "top_k": top_k, "max_tokens": 2}).encode(), "completion")
-        work = asyncio.run(completion_work(req, model, "r", "inproc://proxy"))
+        work = asyncio.run(completion_work(req, model, "r", "inproc://proxy", req.prompt))
         assert work.request.sampling.top_k == 0
     with pytest.raises(api.ApiError, match="top_k"):
         parse_body(json.dumps({"prompt": "x", "top_k": -2}).encode(), "completion")
@@ -296,7 +296,7 @@ def test_the_logits_processors_reach_the_sampling_and_bad_values_are_400s(tiny_d
 
     def work(**fields):
         req = parse_body(json.dumps({"prompt": "x", "max_tokens": 2, **fields}).encode(), "completion")
-        return asyncio.run(completion_work(req, model, "r", "inproc://proxy")).request.sampling
+        return asyncio.run(completion_work(req, model, "r", "inproc://proxy", req.prompt)).request.sampling
 
     s = work(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1,
              logit_bias={"7": 3, "2": -100})
@@ -332,7 +332,7 @@ def test_generation_config_defaults_apply_to_unset_fields_only(tiny_dir, tmp_pat
 
     def sampling(**fields):
         req = parse_body(json.dumps({"prompt": "x", **fields}).encode(), "completion")
-        return asyncio.run(completion_work(req, model, "r", "inproc://proxy")).request.sampling
+        return asyncio.run(completion_work(req, model, "r", "inproc://proxy", req.prompt)).request.sampling
 
     s = sampling()
     assert (s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.max_tokens) == (0.6, 20, 0.8, 1.05, 7)

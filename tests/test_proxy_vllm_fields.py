@@ -28,7 +28,7 @@ def test_max_tokens_as_vllm_reads_it(tiny_dir):
     def max_tokens(kind: str, **fields) -> int:
         body = {"prompt": "x"} if kind == "completion" else {"messages": [{"role": "user", "content": "hi"}]}
         req = parse_body(json.dumps({**body, **fields}).encode(), kind)
-        made = completion_work(req, model, "r", "inproc://proxy") if kind == "completion" else chat_work(
+        made = completion_work(req, model, "r", "inproc://proxy", req.prompt) if kind == "completion" else chat_work(
             req, model, None, "r", "inproc://proxy")
         work = asyncio.run(made)
         return work.request.sampling.max_tokens, len(work.request.prompt_token_ids)

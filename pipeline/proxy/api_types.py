@@ -157,7 +157,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16   # the legacy API's default (OpenAI's and vLLM's); null: as chat
-    prompt: str | list[int] | None = None
+    prompt: str | list | None = None   # a string or token ids, or a batch of either (completion_prompts)
     echo: bool = False
     suffix: str | None = None
 
@@ -244,9 +244,29 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
                        param="chat_template_kwargs")
     if kind == "chat" and not request.messages:
         raise ApiError("messages must be a non-empty list", param="messages")
-    if kind == "completion" and not request.prompt:
-        raise ApiError("prompt must be a non-empty string or token list", param="prompt")
+    if kind == "completion":
+        completion_prompts(request.prompt)
     return request
+
+
+def completion_prompts(prompt) -> list[str | list[int]]:
+    """The prompts of a completion request, as vLLM takes them: a string, a
+    list of token ids, or a batch (a list) of either, each answered as its
+    own choices. ApiError for anything else, or an empty one."""
+    def is_ids(value) -> bool:
+        return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    if isinstance(prompt, str) or (is_ids(prompt) and prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                  or all(is_ids(p) for p in prompt)):
+        prompts = prompt
+    else:
+        raise ApiError("prompt must be a string, a list of token ids, or a non-empty list of either",
+                       param="prompt")
+    if any(not p for p in prompts):
+        raise ApiError("the prompt is empty" if len(prompts) == 1 else "a prompt of the batch is empty",
+                       param="prompt")
+    return prompts
 
 
 def video_url_of(part: ContentPart) -> str:

@@ -1,11 +1,13 @@
-"""n > 1: one request, n choices.
+"""n > 1, or a batch of completion prompts: one request, many choices.
 
 The proxy sends n copies of the generate request: ids `rid.0` ... `rid.n-1`,
 seeds `seed`, `seed + 1`, ... when the request is seeded (so its n answers
 are the same on every run, wherever each copy runs), and each copy its own
 encode jobs (the encoders' single flight encodes a shared image once). The
 copies' deltas are merged into one answer whose choices carry their index;
-usage counts the prompt once and every choice's tokens.
+usage counts the prompt once and every choice's tokens. A batch of
+completion prompts (ids `rid.pK`) is n copies of each, in prompt order:
+choice k * n + i is prompt k's i-th, and usage counts each prompt once.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class ManyChoices:
                 return error_response(failed)
             if req.stream:
                 return await self._stream_many(request, req, flights, firsts, chat)
-            return await self._whole_many(request, flights, firsts, chat)
+            return await self._whole_many(request, req.n, flights, firsts, chat)
         except (asyncio.CancelledError, ConnectionResetError):
             self._abort_all(flights, client_gone=True)
             self.metrics.requests.labels("aborted").inc()
@@ -76,7 +78,7 @@ class ManyChoices:
                 if client_gone:
                     log_aborted(flight, time.monotonic())
 
-    async def _whole_many(self, request, flights: list[Flight], firsts, chat: bool) -> web.Response:
+    async def _whole_many(self, request, n: int, flights: list[Flight], firsts, chat: bool) -> web.Response:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for index, (flight, delta) in enumerate(zip(flights, firsts)):
             last, choice = await self._choice(request, flight, delta, chat)
@@ -85,7 +87,9 @@ class ManyChoices:
                 return error_response(last)
             choice["index"] = index
             choices.append(choice)
-            prompt_tokens, completion_tokens = last.prompt_tokens, completion_tokens + last.completion_tokens
+            # A batch's prompts count once each, not once a choice (vLLM's usage).
+            prompt_tokens += last.prompt_tokens if index % n == 0 else 0
+            completion_tokens += last.completion_tokens
         body = response_body(response_id(request, chat), request[MODEL_NAME_KEY], "", firsts[0], chat)
         body["choices"] = choices
         body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -145,7 +149,8 @@ class ManyChoices:
                 await stream.send(chunk)
             if delta.finished:
                 done += 1
-                prompt_tokens, completion_tokens = delta.prompt_tokens, completion_tokens + delta.completion_tokens
+                prompt_tokens += delta.prompt_tokens if index % req.n == 0 else 0
+                completion_tokens += delta.completion_tokens
         if req.stream_options is not None and req.stream_options.include_usage:
             usage = stream.chunk(None, None)
             usage["choices"], usage["usage"] = [], {"prompt_tokens": prompt_tokens,

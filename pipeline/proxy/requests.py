@@ -110,11 +110,13 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     return _work(req, model, request_id, reply_to, prompt, items, options, grammar)
 
 
-async def completion_work(req: CompletionRequest, model: ModelInfo, request_id: str, reply_to: str) -> Work:
-    if isinstance(req.prompt, str):
-        ids = model.processor.tokenizer.encode(req.prompt)
+async def completion_work(req: CompletionRequest, model: ModelInfo, request_id: str, reply_to: str,
+                          prompt: str | list[int]) -> Work:
+    """One prompt of the request (completion_prompts) as work for a generator."""
+    if isinstance(prompt, str):
+        ids = model.processor.tokenizer.encode(prompt)
     else:
-        ids = list(req.prompt)
+        ids = list(prompt)
         vocab = model.processor.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ApiError(f"prompt token ids must be in [0, {vocab})", param="prompt")

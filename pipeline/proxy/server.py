@@ -14,7 +14,7 @@ from aiohttp import web
 from pipeline import protocol
 from pipeline.proxy.access import (ARRIVED_KEY, MODEL_NAME_KEY, PARSE_TOOLS_KEY, REQUEST_ID_KEY, AccessPolicy,
                                    add_cors, echo_request_id, error_middleware, response_id)
-from pipeline.proxy.api_types import ApiError, parse_body
+from pipeline.proxy.api_types import ApiError, completion_prompts, parse_body
 from pipeline.proxy.dispatcher import Dispatcher
 from pipeline.proxy.flights import Flight
 from pipeline.proxy.fanout import ManyChoices, copies
@@ -131,12 +131,14 @@ class ProxyApp(ManyChoices):
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_body(await request.read(), "completion")
         request[MODEL_NAME_KEY] = self.model.check_name(req.model)
-        rid = "cmpl-" + self.dispatcher.new_request_id()
-        work = await completion_work(req, self.model, rid, self.dispatcher.address)
-        work.arrived, work.client_id = request[ARRIVED_KEY], request[REQUEST_ID_KEY]
-        if req.n > 1:
-            return await self._serve_many(request, req, copies(work, req.n), chat=False)
-        return await self._serve(request, req, work, chat=False)
+        rid, prompts = "cmpl-" + self.dispatcher.new_request_id(), completion_prompts(req.prompt)
+        works = [await completion_work(req, self.model, rid if len(prompts) == 1 else f"{rid}.p{k}",
+                                       self.dispatcher.address, prompt) for k, prompt in enumerate(prompts)]
+        for work in works:
+            work.arrived, work.client_id = request[ARRIVED_KEY], request[REQUEST_ID_KEY]
+        if len(works) > 1 or req.n > 1:   # choices prompt by prompt, n each, as vLLM numbers them
+            return await self._serve_many(request, req, [c for w in works for c in copies(w, req.n)], chat=False)
+        return await self._serve(request, req, works[0], chat=False)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
