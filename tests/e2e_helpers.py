@@ -56,22 +56,27 @@ def chat(stack, images, text, stream=False, max_tokens=16, **extra):
 IMAGES = {n: [image_bytes(random_image(80 + 40 * i, 120 - 10 * i, seed=50 + i)) for i in range(n)] for n in (0, 1, 2)}
 
 
-def long_requests(stack, n: int, max_tokens: int, disturb) -> list[tuple[str | None, object]]:
-    """n streamed image chats; once every one is generating, `disturb()`.
-    Asserts that each was still running then (it ended after the
-    disturbance began), so the disturbance hit it in flight however fast
-    the machine decodes. Returns (finish reason, usage) per request."""
+def long_requests(stack, n: int, max_tokens: int, disturb, texts: list[str] | None = None,
+                  **sampling) -> list[tuple[str | None, object]]:
+    """n streamed image chats (greedy unless `sampling` says otherwise);
+    once every one is generating, `disturb()`. Asserts that each was still
+    running then (it ended after the disturbance began), so the disturbance
+    hit it in flight however fast the machine decodes. Returns (finish
+    reason, usage) per request; `texts`, if given, gets each one's text."""
     generating = [threading.Event() for _ in range(n)]
+    streamed = [""] * n
 
     def one(i: int):
         chunks = client(stack).chat.completions.create(
-            model="tiny", messages=chat_messages(IMAGES[1], f"long {i}"), max_tokens=max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model="tiny", messages=chat_messages(IMAGES[1], f"long {i}"), max_tokens=max_tokens,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            **{"temperature": 0, **sampling})
         reason, usage = None, None
         for chunk in chunks:
             if chunk.choices:
                 if chunk.choices[0].delta.content:
                     generating[i].set()
+                    streamed[i] += chunk.choices[0].delta.content
                 reason = chunk.choices[0].finish_reason or reason
             if chunk.usage:
                 usage = chunk.usage
@@ -84,4 +89,6 @@ def long_requests(stack, n: int, max_tokens: int, disturb) -> list[tuple[str | N
         disturb()
         results = [f.result(timeout=90) for f in futures]
     assert all(ended > disturbed_at for _, _, ended in results), "a request ended before the disturbance"
+    if texts is not None:
+        texts[:] = streamed
     return [(reason, usage) for reason, usage, _ in results]

@@ -141,6 +141,25 @@ def test_requests_survive_a_generator_that_dies_and_is_back_before_it_looks_down
     patient.wait_healthy()
 
 
+def test_seeded_requests_moved_by_a_kill_sample_what_they_would_have_unmoved(patient):
+    """A seeded request's sampler goes on across the move: the new
+    generator skips the numbers its tokens before the move took."""
+    seeded = dict(temperature=1.0, seed=4242)
+    unmoved, moved = [], []
+    long_requests(patient, 2, 1500, lambda: None, unmoved, **seeded)
+
+    def kill_and_restart():
+        patient.stop_stage("gen0", signal.SIGKILL)
+        patient.stop_stage("gen1", signal.SIGKILL)   # wherever each request runs
+        patient.restart_stage("gen0")
+        patient.restart_stage("gen1")
+
+    results = long_requests(patient, 2, 1500, kill_and_restart, moved, **seeded)
+    assert [(usage.completion_tokens, reason) for reason, usage in results] == [(1500, "length")] * 2
+    assert moved == unmoved and len(set(unmoved)) == 2
+    patient.wait_healthy()
+
+
 def test_encode_jobs_lost_with_an_encoder_that_is_back_before_it_looks_down_are_sent_again(patient):
     """Jobs queued at an encoder that is then killed and restarted at once
     are lost with it; its new incarnation gets them again."""

@@ -1,8 +1,9 @@
 """A request moved to another generator after some tokens (engine.Resumed)
 goes on as if it had never moved: the text the lost generator held back
 (part of a character, the start of a possible stop string) still reaches
-the client, a stop string across the move ends it, and its grammar and
-penalties see the tokens produced before the move."""
+the client, a stop string across the move ends it, its grammar and
+penalties see the tokens produced before the move, and a seeded sampler
+goes on with the numbers it would have drawn next."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.output import Resumed, TextState
+from pipeline.engine.sampler import make_generator
 from pipeline.models.loader import load_model
 from pipeline.processing.processor import MultimodalPrompt, Processor
 from pipeline.sampling_params import SamplingParams
@@ -78,21 +80,26 @@ def test_min_tokens_count_the_tokens_before_the_move(tiny):
 
 
 def run(engine: Engine, rid: str, prompt: MultimodalPrompt, params: SamplingParams,
-        resumed: Resumed | None = None) -> tuple[list[int], str]:
+        resumed: Resumed | None = None, sent_after: int = 0) -> tuple[list[int], str] | tuple[list[int], str, str]:
+    """(tokens, text); with sent_after, also the text streamed by the time
+    that many tokens had come (what a client has at a move after them)."""
     engine.add_request(rid, prompt, [], params, resumed=resumed)
-    tokens, text = [], ""
+    tokens, text, sent = [], "", None
     while engine.has_work():
         for out in engine.step():
             tokens += out.new_token_ids
             text += out.new_text
-    return tokens, text
+            if sent_after and sent is None and len(tokens) >= sent_after:
+                assert len(tokens) == sent_after, "one token an output"
+                sent = text
+    return (tokens, text, sent) if sent_after else (tokens, text)
 
 
 def moved_prompt(prompt: MultimodalPrompt, earlier: list[int]) -> MultimodalPrompt:
     return MultimodalPrompt(prompt.token_ids + earlier, prompt.image_spans, prompt.grids)
 
 
-@pytest.mark.parametrize("setting", ["penalties", "grammar"])
+@pytest.mark.parametrize("setting", ["penalties", "grammar", "seeded"])
 def test_a_moved_request_generates_what_it_would_have_without_the_move(tiny, setting):
     model, processor = tiny
     engine = Engine(model, processor.tokenizer, EngineConfig(), torch.device("cpu"))
@@ -102,23 +109,35 @@ def test_a_moved_request_generates_what_it_would_have_without_the_move(tiny, set
         # Token 100 is pushed up until it has come once; then the penalties keep it out.
         options = dict(logit_bias=((100, 3.0),), frequency_penalty=2.0, presence_penalty=2.0,
                        repetition_penalty=1.3)
+    elif setting == "seeded":   # its generator skips the numbers the tokens before the move took
+        options = dict(temperature=1.0, seed=1234)
     else:
         schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
                   "required": ["colour"], "additionalProperties": False}
         options = dict(grammar=llguidance.LLMatcher.grammar_from_json_schema(
             schema, overrides={"whitespace_flexible": False}))
     total, cut = 12, 4
-    whole, text = run(engine, "whole", prompt, SamplingParams(max_tokens=total, ignore_eos=True, **options))
+    whole, text, sent = run(engine, "whole", prompt, SamplingParams(max_tokens=total, ignore_eos=True, **options),
+                            sent_after=cut)
     assert len(whole) > cut + 1
     earlier = whole[:cut]
     after = SamplingParams(max_tokens=total - cut, ignore_eos=True, **options)
-    sent = processor.tokenizer.decode(earlier)
     rest, rest_text = run(engine, "moved", moved_prompt(prompt, earlier), after, Resumed(tuple(earlier), len(sent)))
     assert rest == whole[cut:] and sent + rest_text == text
     # Without what came before the move, the same request goes elsewhere: the test tells them apart.
     blind, _ = run(engine, "blind", moved_prompt(prompt, earlier), after)
     assert blind != whole[cut:]
     assert not engine.live and engine.penalties.free and not engine.has_work()
+
+
+@pytest.mark.parametrize("drawn", [1, 7, 300, 20000])
+def test_skipping_draws_in_one_call_is_drawing_them_one_by_one(drawn):
+    # make_generator's fast-forward stands for `drawn` single draws (draw.uniforms).
+    one_by_one = torch.Generator().manual_seed(99)
+    for _ in range(drawn):
+        torch.rand(1, generator=one_by_one)
+    skipped = make_generator(SamplingParams(max_tokens=1, temperature=0.7, seed=99), drawn)
+    assert torch.equal(torch.rand(4, generator=skipped), torch.rand(4, generator=one_by_one))
 
 
 def test_a_resumed_prompt_must_end_with_the_earlier_tokens(tiny):

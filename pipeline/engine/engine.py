@@ -165,8 +165,8 @@ class Engine:
         text = (TextState.resume(self.tokenizer, params.stop, params.min_tokens, resumed) if resumed
                 else TextState.create(self.tokenizer, params.stop, params.min_tokens))
         self.scheduler.add_request(request)
-        self.live[request_id] = _Live(PromptGeometry(positions, delta), text, make_generator(params), inputs,
-                                      matcher=matcher, earlier_output=earlier,
+        self.live[request_id] = _Live(PromptGeometry(positions, delta), text, make_generator(params, len(earlier)),
+                                      inputs, matcher=matcher, earlier_output=earlier,
                                       stop_token_ids=frozenset(params.stop_token_ids) - eos_named)
 
     def add_embedding(self, key: str, embedding: torch.Tensor) -> None:

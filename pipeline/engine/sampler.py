@@ -84,8 +84,14 @@ def _ban(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits.index_put_(index, logits.new_full((len(pairs),), float("-inf")))
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A private CPU generator for seeded sampling, else None (global RNG)."""
+def make_generator(params: SamplingParams, drawn: int = 0) -> torch.Generator | None:
+    """A private CPU generator for seeded sampling, else None (global RNG).
+    `drawn`: the tokens the request already sampled (it moved here after
+    them): each took one number (draw.uniforms), so the generator skips as
+    many and the next token is the one the lost generator would have drawn."""
     if params.temperature == 0 or params.seed is None:
         return None
-    return torch.Generator().manual_seed(params.seed)
+    generator = torch.Generator().manual_seed(params.seed)
+    if drawn:
+        torch.rand(drawn, generator=generator)   # the same numbers as `drawn` draws of one (tested)
+    return generator
