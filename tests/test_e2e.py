@@ -248,7 +248,9 @@ def test_vllm_named_series_are_served(epd):
              "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
              "vllm:time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
              "vllm:request_queue_time_seconds": "histogram", "vllm:request_prefill_time_seconds": "histogram",
-             "vllm:request_decode_time_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram"}
+             "vllm:request_decode_time_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+             "vllm:request_time_per_output_token_seconds": "histogram", "vllm:request_prompt_tokens": "histogram",
+             "vllm:request_generation_tokens": "histogram"}
     for name, kind in kinds.items():
         assert found[name].type == kind, name
         assert all(s.labels.get("model_name") == "tiny" for s in found[name].samples), name
@@ -274,6 +276,15 @@ def test_vllm_named_series_are_served(epd):
     assert 0 < histogram("vllm:request_decode_time_seconds")[1] < e2e_seconds   # the long one decoded a while
     count, seconds = histogram("vllm:inter_token_latency_seconds")
     assert count >= long_tokens - 1 and 0 < seconds < e2e_seconds         # every interval after a first token
+    assert histogram("vllm:time_per_output_token_seconds") == (count, seconds)   # vLLM's older name for it
+    # Per request, as vLLM: each one's mean interval once, and its token counts.
+    means, mean_seconds = histogram("vllm:request_time_per_output_token_seconds")
+    assert 2 <= means <= counts[0] and 0 < mean_seconds < seconds
+    assert histogram("vllm:request_prompt_tokens") == (counts[0], total("vllm:prompt_tokens"))
+    generated = histogram("vllm:request_generation_tokens")
+    assert generated[0] == counts[0] and long_tokens <= generated[1] <= total("vllm:generation_tokens")
+    buckets = [s.labels["le"] for s in found["vllm:request_prompt_tokens"].samples if s.name.endswith("_bucket")]
+    assert buckets[:4] == ["1.0", "2.0", "5.0", "10.0"] and buckets[-1] == "+Inf"   # vLLM's 1-2-5 to the context
 
     # The dashboard in the repository names only series this server has.
     text = httpx.get(epd.base_url + "/metrics", timeout=10).text

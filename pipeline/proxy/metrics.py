@@ -13,7 +13,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60
 
 
 class ProxyMetrics:
-    def __init__(self, dispatcher, model_name: str = "") -> None:
+    def __init__(self, dispatcher, model_name: str = "", max_model_len: int = 1) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("epd_requests", "Requests by final status", ["status"], registry=self.registry)
         self.ttft = Histogram("epd_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
@@ -30,7 +30,7 @@ class ProxyMetrics:
         self.e2e = Histogram("epd_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS,
                              registry=self.registry)
         self.registry.register(_StageCollector(dispatcher, model_name))
-        self.vllm = VllmSeries(self.registry, model_name)
+        self.vllm = VllmSeries(self.registry, model_name, max_model_len)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -56,7 +56,7 @@ class ProxyMetrics:
                 tpot = (now - flight.first_token_at) / (flight.tokens - 1)
                 self.tpot.observe(tpot)
         self.vllm.finished(delta.finish_reason, delta.prompt_tokens, ttft, tpot, now - flight.created, delta.phases,
-                           flight.intervals)
+                           flight.intervals, flight.tokens)
 
 
 # Which StageStats entries become which series.

@@ -45,7 +45,8 @@ class ProxyApp(ManyChoices):
         self.drain_timeout = drain_timeout   # on stop, for the requests in flight
         self.handling = 0          # HTTP requests being handled, from parsing to the last byte
         self.stopping = False      # the drain is over: nothing more is sent to the stages
-        self.metrics = ProxyMetrics(dispatcher, model.names[0] if model is not None else "")
+        self.metrics = ProxyMetrics(dispatcher, model.names[0] if model is not None else "",
+                                    model.max_context if model is not None else 1)
         dispatcher.on_finish = self._record
         self.session = None
         self._clients: dict[str, tuple[web.Request, Flight]] = {}

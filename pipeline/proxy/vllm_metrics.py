@@ -3,16 +3,17 @@ meanings, `model_name` label and bucket boundaries, for those this server
 can report truthfully; beside our own epd_* series, from the same events.
 
 Per request (the proxy sees each one end): prompt and generation tokens,
-successes by finish reason, time to first token, time per output token
-after the first, end-to-end latency; the time its generator had it queued,
-in prefill and in decode (the request's last delta carries them); and the
-intervals between its tokens (vllm:inter_token_latency_seconds). Two
-differences: vLLM observes every interval between tokens in
-vllm:time_per_output_token_seconds, and this server observes each request's
-mean interval once; and the intervals are as the proxy receives deltas (a
-delta of k tokens counts as k intervals of a k-th of its wait each). Per generator (`engine` label, as vLLM
-reports per engine; from the stages' stats): running and waiting requests,
-KV cache usage, preemptions.
+in all and per request; successes by finish reason; time to first token;
+each request's mean time per output token after the first
+(vllm:request_time_per_output_token_seconds); every interval between
+tokens (vllm:inter_token_latency_seconds, and under vLLM's deprecated name
+for the same, vllm:time_per_output_token_seconds); end-to-end latency; the
+time its generator had it queued, in prefill and in decode (the request's
+last delta carries them). One difference: the intervals are as the proxy
+receives deltas (a delta of k tokens counts as k intervals of a k-th of its
+wait each). Per generator (`engine` label, as vLLM reports per engine; from
+the stages' stats): running and waiting requests, KV cache usage,
+preemptions.
 """
 
 from __future__ import annotations
@@ -30,10 +31,29 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 FINISHED_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
+def buckets_1_2_5(largest: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `largest`: vLLM's token-count buckets."""
+    out, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > largest:
+                return tuple(out)
+            out.append(step * scale)
+        scale *= 10
+
+
 class VllmSeries:
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int = 1) -> None:
         self.model_name = model_name
         label = ["model_name"]
+        tokens = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens, per request", label,
+                                               buckets=tokens, registry=registry)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Generated tokens, per request",
+                                                   label, buckets=tokens, registry=registry)
+        self.request_tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                                      "Time per output token after the first, each request's mean", label,
+                                      buckets=TPOT_BUCKETS, registry=registry)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", label, registry=registry)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed", label,
                                          registry=registry)
@@ -41,7 +61,8 @@ class VllmSeries:
                                ["model_name", "finished_reason"], registry=registry)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", label,
                               buckets=TTFT_BUCKETS, registry=registry)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token after the first",
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Time between tokens (vLLM's deprecated name for vllm:inter_token_latency_seconds)",
                               label, buckets=TPOT_BUCKETS, registry=registry)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", label,
                              buckets=E2E_BUCKETS, registry=registry)
@@ -51,20 +72,23 @@ class VllmSeries:
                              buckets=TPOT_BUCKETS, registry=registry)
 
     def finished(self, reason: str, prompt_tokens: int, ttft: float | None, tpot: float | None, e2e: float,
-                 phases: tuple[float, ...] = (), intervals: list[float] = ()) -> None:
+                 phases: tuple[float, ...] = (), intervals: list[float] = (), generation_tokens: int = 0) -> None:
         name = self.model_name
         for histogram, seconds in zip(self.phases, phases):
             histogram.labels(name).observe(seconds)
-        itl = self.itl.labels(name)
+        itl, every_tpot = self.itl.labels(name), self.tpot.labels(name)
         for seconds in intervals:
             itl.observe(seconds)
+            every_tpot.observe(seconds)
         self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.request_prompt_tokens.labels(name).observe(prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(generation_tokens)
         self.success.labels(name, FINISHED_REASONS.get(reason, "stop")).inc()
         self.e2e.labels(name).observe(e2e)
         if ttft is not None:
             self.ttft.labels(name).observe(ttft)
         if tpot is not None:
-            self.tpot.labels(name).observe(tpot)
+            self.request_tpot.labels(name).observe(tpot)
 
     def generated(self, tokens: int) -> None:
         self.generation_tokens.labels(self.model_name).inc(tokens)
