@@ -14,11 +14,12 @@ from pathlib import Path
 
 from pipeline.arg_parser import OneLineParser
 from pipeline.offline import GenerateRequest, InputError, OfflineModel
+from pipeline.models.hub_cache import model_dir_arg
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = OneLineParser(prog="epd-generate", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="checkpoint folder (default: the built-in tiny model)")
+    parser.add_argument("--model", type=model_dir_arg, help="checkpoint folder (default: the built-in tiny model)")
     parser.add_argument("--prompt", required=True, help="the user's text")
     parser.add_argument("--image", action="append", type=Path, default=[], help="an image file; repeatable")
     parser.add_argument("--video", action="append", type=Path, default=[],

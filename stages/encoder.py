@@ -36,6 +36,7 @@ from pipeline.processing.image import ImageProcessorConfig
 from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import video_config_of
 from pipeline.watchdog import HangWatchdog, add_hang_timeout_flag
+from pipeline.models.hub_cache import model_dir_arg
 
 log = logging.getLogger("epd.encoder")
 
@@ -52,7 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = OneLineParser(prog="stages.encoder", description=__doc__.splitlines()[0])
     p.add_argument("--address", required=True, help="inbox address to bind (ipc:// or tcp://)")
     p.add_argument("--instance", default="encoder-0", help="stable name of this stage (shm cleanup, ids)")
-    p.add_argument("--model", type=Path, help="checkpoint folder (default: the built-in tiny model)")
+    p.add_argument("--model", type=model_dir_arg, help="checkpoint folder (default: the built-in tiny model)")
     add_random_weights_flag(p)
     p.add_argument("--model-id", help="name used to salt content hashes (default: the folder name)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")

@@ -51,6 +51,7 @@ from pipeline.processing.processor import video_config_of
 from pipeline.processing.tokenizer import Tokenizer
 from pipeline.processing.video import VideoOptions
 from pipeline.watchdog import HangWatchdog, add_hang_timeout_flag
+from pipeline.models.hub_cache import model_dir_arg
 
 log = logging.getLogger("epd.generator")
 
@@ -58,7 +59,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = OneLineParser(prog="stages.generator", description=__doc__.splitlines()[0])
     p.add_argument("--address", required=True, help="inbox address to bind (ipc:// or tcp://)")
     p.add_argument("--instance", default="generator-0")
-    p.add_argument("--model", type=Path, help="checkpoint folder (default: the built-in tiny model)")
+    p.add_argument("--model", type=model_dir_arg, help="checkpoint folder (default: the built-in tiny model)")
     add_random_weights_flag(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)

@@ -33,6 +33,7 @@ from pipeline.proxy.media_fetch import FetchPolicy
 from pipeline.proxy.requests import ModelInfo
 from pipeline.proxy.sampling_defaults import sampling_defaults
 from pipeline.proxy.server import ProxyApp
+from pipeline.models.hub_cache import model_dir_arg
 
 
 # After the drain has ended every request: the seconds their handlers get to
@@ -49,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", help="this proxy's inbox (default: ipc:// in the private run folder)")
-    p.add_argument("--model", type=Path, help="checkpoint folder (default: the built-in tiny model)")
+    p.add_argument("--model", type=model_dir_arg, help="checkpoint folder (default: the built-in tiny model)")
     p.add_argument("--model-id", help="served model name and hash salt (default: the folder name)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may ask for, the first reported by default (default: --model-id)")

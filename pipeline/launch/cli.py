@@ -28,6 +28,7 @@ from pipeline.launch.systemd_units import write_units
 from pipeline.logs import FORMATS, LEVELS
 from pipeline.processing.chat_template import is_template_text
 from pipeline.models.shape_configs import SHAPES  # torch-free
+from pipeline.models.hub_cache import model_dir_arg
 
 
 def _add_mps_flags(p: argparse.ArgumentParser) -> None:
@@ -48,8 +49,11 @@ def build_parser() -> OneLineParser:
     p.add_argument("--encoders", type=int, metavar="N",
                    help="encoder processes (default: 1; 0 with --mode aggregated)")
     p.add_argument("--generators", type=int, default=1, metavar="M", help="generator processes")
-    p.add_argument("--model", type=Path, metavar="DIR",
-                   help="checkpoint folder (default: the built-in tiny model)")
+    p.add_argument("model_tag", nargs="?", type=model_dir_arg, metavar="MODEL",
+                   help="as in `vllm serve MODEL`: the same as --model")
+    p.add_argument("--model", type=model_dir_arg, metavar="DIR|ID",
+                   help="checkpoint folder, or a Hugging Face repo id already in the local cache "
+                   "(default: the built-in tiny model)")
     p.add_argument("--random-weights", metavar="SHAPE",
                    help=f"serve random weights of a named model shape ({', '.join(SHAPES)}), made on each "
                    "stage's device, with a synthetic tokenizer; instead of --model")
@@ -131,6 +135,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except ConfigError as exc:
         p.error(str(exc))
     args = p.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            p.error(f"the model is given twice, as {args.model_tag} and as --model {args.model}")
+        args.model = args.model_tag
+    del args.model_tag
     if args.dtype == "auto":
         args.dtype = None
     if args.encoders is None:
