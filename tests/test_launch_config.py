@@ -148,3 +148,42 @@ def test_a_file_of_every_key_round_trips():
                        limit_mm_per_prompt={"image": 1}, stage_arg=["proxy=--max-images=3"])
     args = cli.parse_args(as_flags(every))
     assert args.generators == 2 and args.served_model_name == ["one"] and args.gpus == (1,)
+
+
+VLLM_LINE = ["--trust-remote-code", "-tp", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+             "--generation-config", "vllm", "--allowed-local-media-path", "/data/media",
+             "--allowed-media-domains", "a.example", "b.example"]
+
+
+def proxy_of(args):
+    from stages.proxy import parse_args as proxy_args
+    specs = plan_stages(cli.build_options(args), HostFacts(gpu_count=0))
+    return proxy_args(list(next(s for s in specs if s.role == "proxy").args))
+
+
+def test_a_vllm_serve_command_line_carries_over(tiny_dir):
+    args = cli.parse_args([str(tiny_dir), "--device", "cpu", *VLLM_LINE])
+    assert args.model == tiny_dir and args.trust_remote_code and args.tensor_parallel_size == 1
+    proxy = proxy_of(args)
+    assert proxy.generation_config == "vllm" and [str(p) for p in proxy.allow_file_dir] == ["/data/media"]
+    assert proxy.allowed_media_domains == ["a.example", "b.example"]
+
+
+def test_the_vllm_flags_round_trip_through_a_config_file(tmp_path, tiny_dir):
+    text = ("trust-remote-code: true\nenable-auto-tool-choice: false\ntool-call-parser: hermes\n"
+            "allowed-media-domains: [c.example]\ngeneration-config: auto\n")
+    args = cli.parse_args(["--config", str(write(tmp_path, text)), "--model", str(tiny_dir), "--device", "cpu"])
+    assert args.trust_remote_code and not args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
+    assert proxy_of(args).allowed_media_domains == ["c.example"]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: a generator runs on one GPU"),
+    (["-tp", "4"], "use --generators N"),
+    (["--tool-call-parser", "mistral"], "--tool-call-parser mistral: the proxy parses hermes"),
+])
+def test_vllm_flags_whose_meaning_does_not_hold_here_exit_2_in_one_line(flags, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["--device", "cpu", *flags])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and named in err

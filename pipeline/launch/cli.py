@@ -29,6 +29,7 @@ from pipeline.logs import FORMATS, LEVELS
 from pipeline.processing.chat_template import is_template_text
 from pipeline.models.shape_configs import SHAPES  # torch-free
 from pipeline.models.hub_cache import model_dir_arg
+from pipeline.launch.vllm_flags import add_vllm_flags, check_vllm_flags, proxy_flags
 
 
 def _add_mps_flags(p: argparse.ArgumentParser) -> None:
@@ -109,6 +110,7 @@ def build_parser() -> OneLineParser:
                      help="a Jinja chat template instead of the checkpoint's (a file is passed as its path)")
     api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $EPD_API_KEY; none)")
     api.add_argument("--allowed-origins", metavar="JSON", help='CORS origins, a JSON list (default: ["*"])')
+    add_vllm_flags(p)
     p.add_argument("--log-level", choices=LEVELS, help="every stage's (default: info)")
     p.add_argument("--log-format", choices=FORMATS, help="every stage's: text (default) or json lines")
     p.add_argument("--write-systemd", type=Path, metavar="DIR",
@@ -158,6 +160,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--prefill-pacing-max-hold-ms must be >= 0")
     if args.mode == "aggregated" and args.encode_fallback != "off":
         p.error("--encode-fallback is for --mode epd (aggregated generators encode every image themselves)")
+    check_vllm_flags(p, args)
     return args
 
 
@@ -221,6 +224,7 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
         out += [(role, f"--max-model-len={args.max_model_len}") for role in ("generator", "proxy")]
     if args.limit_mm_per_prompt is not None:
         out.append(("proxy", f"--max-images={sum(args.limit_mm_per_prompt.values())}"))
+    out += proxy_flags(args)
     if args.served_model_name:   # nargs="+" on the proxy: one flag, then every name
         out += [("proxy", "--served-model-name"), *(("proxy", name) for name in args.served_model_name)]
     if args.api_key:

@@ -67,6 +67,13 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     limit_mm_per_prompt: dict[str, int] | None = None
     prefill_pacing_ms: float | None = None
     prefill_pacing_max_hold_ms: float | None = None
+    generation_config: str | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+    trust_remote_code: bool | None = None
+    tensor_parallel_size: int | None = None
+    enable_auto_tool_choice: bool | None = None
+    tool_call_parser: str | None = None
     log_dir: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] | None = None
     log_format: Literal["text", "json"] | None = None
@@ -115,9 +122,11 @@ def as_flags(config: LaunchFile) -> list[str]:
         if value is None:
             continue
         flag = "--" + field.replace("_", "-")
-        if field == "stage_arg":
+        if isinstance(value, bool):   # a switch: the flag alone, or nothing
+            flags += [flag] if value else []
+        elif field == "stage_arg":
             flags += [f"--stage-arg={item}" for item in value]
-        elif field == "served_model_name":
+        elif field in ("served_model_name", "allowed_media_domains"):
             flags += [flag, *([value] if isinstance(value, str) else value)]
         elif field == "gpus":
             flags.append(f"{flag}={','.join(str(g) for g in value)}")

@@ -1,0 +1,54 @@
+"""`vllm serve` flags that epd-launch takes so that a vLLM command line or
+unit carries over: those the proxy acts on are passed to it; the rest are
+accepted only where their meaning already holds here, and refused in one
+line otherwise (a flag is never silently dropped)."""
+
+from __future__ import annotations
+
+import argparse
+
+# The tool-call format the proxy parses (pipeline/proxy/tool_parser.py): Hermes's
+# <tool_call> blocks, what vLLM's hermes parser reads.
+TOOL_CALL_PARSERS = ("hermes",)
+
+
+def add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("more of vllm serve's flags, with the same meaning")
+    group.add_argument("--generation-config", metavar="auto|vllm|DIR",
+                       help="sampling defaults for unset request fields: auto (the checkpoint's "
+                       "generation_config.json, the default), vllm (none), or a folder holding one")
+    group.add_argument("--allowed-local-media-path", metavar="DIR",
+                       help="a folder that file:// media URLs may read (default: none may)")
+    group.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                       help="the only hosts that http(s) media URLs may name")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted: no checkpoint's own code is ever run here (the model code is this "
+                       "package's), so there is nothing to trust")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
+                       help="1 only: a generator runs on one GPU (use --generators for more of them)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted: tool calls are always parsed (tool_choice auto is the default with tools)")
+    group.add_argument("--tool-call-parser", metavar="NAME",
+                       help=f"{', '.join(TOOL_CALL_PARSERS)} only: the format the proxy parses")
+
+
+def check_vllm_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """p.error, naming the flag, for a value whose meaning does not hold here."""
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size != 1:
+        p.error(f"--tensor-parallel-size {args.tensor_parallel_size}: a generator runs on one GPU here; "
+                "use --generators N for more generators")
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
+        p.error(f"--tool-call-parser {args.tool_call_parser}: the proxy parses "
+                f"{' or '.join(TOOL_CALL_PARSERS)} tool calls only")
+
+
+def proxy_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(role, flag) for the ones the proxy acts on."""
+    out = []
+    if args.generation_config is not None:
+        out.append(("proxy", f"--generation-config={args.generation_config}"))
+    if args.allowed_local_media_path is not None:
+        out.append(("proxy", f"--allowed-local-media-path={args.allowed_local_media_path}"))
+    if args.allowed_media_domains:   # nargs="+" on the proxy: one flag, then every host
+        out += [("proxy", "--allowed-media-domains"), *(("proxy", host) for host in args.allowed_media_domains)]
+    return out
