@@ -35,7 +35,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     mode.add_argument("--profile", type=Path, metavar="FILE", help="plan from this profile")
     p.add_argument("--gpus", help="--profile-out: GPU numbers (the first is measured); --profile: GPU count")
     measuring = p.add_argument_group("measuring (--profile-out)")
-    measuring.add_argument("--model", type=model_dir_arg, metavar="DIR", help="checkpoint folder (default: the tiny model)")
+    measuring.add_argument("--model", type=model_dir_arg, metavar="DIR|ID",
+                           help="checkpoint folder, or a Hugging Face repo id in the local cache "
+                           "(default: the tiny model)")
     measuring.add_argument("--random-weights", metavar="SHAPE", help="random weights of a named shape instead")
     measuring.add_argument("--model-id", help="the name the stages salt hashes with (default: the folder name)")
     measuring.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
