@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -167,6 +168,12 @@ def test_a_vllm_serve_command_line_carries_over(tiny_dir):
     proxy = proxy_of(args)
     assert proxy.generation_config == "vllm" and [str(p) for p in proxy.allow_file_dir] == ["/data/media"]
     assert proxy.allowed_media_domains == ["a.example", "b.example"]
+
+
+def test_the_positional_model_overrides_the_files_model(tmp_path, tiny_dir):
+    path = write(tmp_path, "model: /somewhere/else\n")
+    assert cli.parse_args(["--config", str(path), str(tiny_dir), "--device", "cpu"]).model == tiny_dir
+    assert cli.parse_args(["--config", str(path), "--device", "cpu"]).model == Path("/somewhere/else")
 
 
 def test_the_vllm_flags_round_trip_through_a_config_file(tmp_path, tiny_dir):

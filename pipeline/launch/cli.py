@@ -132,13 +132,15 @@ def build_parser() -> OneLineParser:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = build_parser()
+    model_flag = any(arg == "--model" or arg.startswith("--model=") for arg in argv)   # before the file's
     try:
         argv = expand_config(argv)
     except ConfigError as exc:
         p.error(str(exc))
     args = p.parse_args(argv)
     if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
+        # The command line overrides a config file's model; on the command line, once.
+        if model_flag and args.model != args.model_tag:
             p.error(f"the model is given twice, as {args.model_tag} and as --model {args.model}")
         args.model = args.model_tag
     del args.model_tag
