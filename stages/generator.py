@@ -111,6 +111,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "waiting for their first token wait longer instead (default: off)")
     p.add_argument("--prefill-pacing-max-hold-ms", type=float, default=500.0, metavar="MS",
                    help="with --prefill-pacing-ms: the longest prefill is held in a row (default: 500)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: no CUDA graphs, as vLLM's flag: decode and mixed steps launch their kernels one by "
+                        "one (nothing captured at start-up; slower steps); refuses --vision-graphs")
     p.add_argument("--eager-mixed", action="store_true",
                    help="CUDA: run mixed prefill/decode steps eagerly, not through the fused kernels and "
                         "CUDA graphs (the default wherever decode runs them)")
@@ -122,6 +125,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     check_vision_graph_flags(p, args)
+    if args.enforce_eager and args.vision_graphs:
+        p.error("--enforce-eager runs no CUDA graphs: drop --vision-graphs")
     if args.prefill_pacing_ms is not None and not args.prefill_pacing_ms > 0:
         p.error("--prefill-pacing-ms must be above 0")
     if not args.prefill_pacing_max_hold_ms >= 0:
@@ -153,7 +158,8 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
                           decode_matmul=args.decode_matmul, decode_ahead=False if args.no_decode_ahead else None,
                           dependent_launch=False if args.no_dependent_launch else None,
                           prefill_pacing_ms=args.prefill_pacing_ms,
-                          prefill_pacing_max_hold_ms=args.prefill_pacing_max_hold_ms)
+                          prefill_pacing_max_hold_ms=args.prefill_pacing_max_hold_ms,
+                          cuda_graphs=not args.enforce_eager)
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
     blocks = engine.scheduler.config.num_blocks
     log.info("KV cache: %.2f GiB (%d MiB), %d blocks of %d tokens, %d tokens (%s)", kv_bytes / GIB,

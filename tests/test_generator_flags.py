@@ -142,3 +142,11 @@ def test_a_generator_whose_kv_cache_is_too_small_exits_1_in_one_line(tmp_path, t
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.startswith("stages.generator: error:")]
     assert len(lines) == 1 and "lower --max-model-len to at most 2720" in lines[0], proc.stderr[-2000:]
+
+
+def test_enforce_eager_is_off_by_default_and_refuses_vision_graphs(capsys):
+    assert parse_args(ADDRESS).enforce_eager is False
+    assert parse_args([*ADDRESS, "--enforce-eager"]).enforce_eager is True
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([*ADDRESS, "--enforce-eager", "--vision-graphs", "4"])
+    assert exit_.value.code == 2 and "--enforce-eager runs no CUDA graphs" in capsys.readouterr().err

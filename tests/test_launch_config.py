@@ -98,6 +98,7 @@ def test_the_engine_flags_parse_in_the_generator_and_the_proxy(tiny_dir):
     parsed = generator_args(list(generator.args))
     assert (parsed.gpu_memory_utilization, parsed.max_num_seqs, parsed.max_num_batched_tokens) == (0.7, 8, 4096)
     assert parsed.max_model_len == 1024   # its KV cache is checked against it at start-up
+    assert parsed.enforce_eager is False
     assert parsed.prefill_pacing_ms is None   # off unless asked for
     proxy = next(s for s in specs if s.role == "proxy")
     parsed = proxy_args(list(proxy.args))
@@ -177,11 +178,14 @@ def test_the_positional_model_overrides_the_files_model(tmp_path, tiny_dir):
 
 
 def test_the_vllm_flags_round_trip_through_a_config_file(tmp_path, tiny_dir):
-    text = ("trust-remote-code: true\nenable-auto-tool-choice: false\ntool-call-parser: hermes\n"
+    text = ("trust-remote-code: true\nenforce-eager: true\nenable-auto-tool-choice: false\ntool-call-parser: hermes\n"
             "allowed-media-domains: [c.example]\ngeneration-config: auto\n")
     args = cli.parse_args(["--config", str(write(tmp_path, text)), "--model", str(tiny_dir), "--device", "cpu"])
     assert args.trust_remote_code and not args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
     assert proxy_of(args).allowed_media_domains == ["c.example"]
+    from stages.generator import parse_args as generator_args
+    specs = plan_stages(cli.build_options(args), HostFacts(gpu_count=0))
+    assert generator_args(list(next(s for s in specs if s.role == "generator").args)).enforce_eager
 
 
 @pytest.mark.parametrize("flags, named", [

@@ -55,6 +55,10 @@ class EngineConfig:
     # (engine/pacing.py). None: off.
     prefill_pacing_ms: float | None = None
     prefill_pacing_max_hold_ms: float = 500.0
+    # Fast decode and mixed steps replayed as CUDA graphs. False (vLLM's
+    # --enforce-eager): the same kernels launched one by one, with no
+    # capture at start-up and no graph memory; slower steps.
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         if self.decode_matmul is not None and self.decode_matmul not in MATMULS:

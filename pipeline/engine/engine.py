@@ -78,8 +78,8 @@ class Engine:
         if config.fast_decode or (config.fast_decode is None and device.type == "cuda"):
             model.fuse()
             max_len = min(lang.max_context, num_blocks * config.block_size)
-            decode = DecodeGraphs(model, kv, num_blocks, config.max_num_seqs, max_len, device, use_graphs=True,
-                                  matmul=config.decode_matmul)
+            decode = DecodeGraphs(model, kv, num_blocks, config.max_num_seqs, max_len, device,
+                                  use_graphs=config.cuda_graphs, matmul=config.decode_matmul)
             self._configure_dependent_launch(decode.fused, device)   # before any graph is captured
             started = time.monotonic()
             captured = decode.capture_up_to(config.capture_decode_len)
@@ -120,7 +120,7 @@ class Engine:
             raise ValueError("fast_mixed needs fast_decode (the fused projections and the null block)")
         max_len = min(model.spec.language.max_context, num_blocks * config.block_size)
         mixed = MixedGraphs(model, kv, num_blocks, config.max_num_batched_tokens, config.max_num_seqs, max_len,
-                            device, use_graphs=True)
+                            device, use_graphs=config.cuda_graphs)
         started = time.monotonic()
         captured = mixed.capture_all()
         if captured:

@@ -93,6 +93,9 @@ def build_parser() -> OneLineParser:
                         help="share of each GPU a generator may use (default 0.9 alone, split where stages share)")
     engine.add_argument("--max-num-seqs", type=int, metavar="N", help="requests a generator runs at once")
     engine.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens a step may compute")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs in the generators: nothing captured at start-up, slower steps "
+                        "(encoders replay vision graphs only when given --vision-graphs)")
     engine.add_argument("--max-model-len", type=int, metavar="N",
                         help="prompt plus output tokens a request may have (the proxy refuses more, and a generator "
                         "whose KV cache cannot hold one such request does not start; default: the checkpoint's)")
@@ -217,6 +220,8 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
                  "prefill_pacing_max_hold_ms"):
         if getattr(args, name) is not None:
             out.append(("generator", f"--{name.replace('_', '-')}={getattr(args, name)}"))
+    if args.enforce_eager:
+        out.append(("generator", "--enforce-eager"))
     for name in ("log_level", "log_format"):
         if getattr(args, name) is not None:
             out += [(role, f"--{name.replace('_', '-')}={getattr(args, name)}") for role in ROLES]

@@ -64,6 +64,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
+    enforce_eager: bool | None = None
     limit_mm_per_prompt: dict[str, int] | None = None
     prefill_pacing_ms: float | None = None
     prefill_pacing_max_hold_ms: float | None = None
