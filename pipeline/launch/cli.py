@@ -88,31 +88,7 @@ def build_parser() -> OneLineParser:
     auto.add_argument("--output-len", type=int, default=150, help="output tokens per request (default 150)")
     auto.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     auto.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    engine = p.add_argument_group("the engine, named as vllm serve names them (passed to every generator)")
-    engine.add_argument("--gpu-memory-utilization", type=float, metavar="F",
-                        help="share of each GPU a generator may use (default 0.9 alone, split where stages share)")
-    engine.add_argument("--max-num-seqs", type=int, metavar="N", help="requests a generator runs at once")
-    engine.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens a step may compute")
-    engine.add_argument("--enforce-eager", action="store_true",
-                        help="no CUDA graphs in the generators: nothing captured at start-up, slower steps "
-                        "(encoders replay vision graphs only when given --vision-graphs)")
-    engine.add_argument("--max-model-len", type=int, metavar="N",
-                        help="prompt plus output tokens a request may have (the proxy refuses more, and a generator "
-                        "whose KV cache cannot hold one such request does not start; default: the checkpoint's)")
-    engine.add_argument("--limit-mm-per-prompt", type=_mm_limits, metavar="JSON",
-                        help='e.g. \'{"image": 4, "video": 1}\': the proxy refuses a request with more media; '
-                        "our limit is one count over images and videos together (their sum)")
-    engine.add_argument("--prefill-pacing-ms", type=float, metavar="MS",
-                        help="ours (vllm serve has none): hold prefill while decoding requests' mean time between "
-                        "tokens would pass MS, trading time to first token for steadier decode (default: off)")
-    engine.add_argument("--prefill-pacing-max-hold-ms", type=float, metavar="MS",
-                        help="with --prefill-pacing-ms: the longest prefill is held in a row (default: 500)")
-    api = p.add_argument_group("the OpenAI API (passed to the proxy; see python3 -m stages.proxy --help)")
-    api.add_argument("--served-model-name", nargs="+", metavar="NAME", help="names clients may ask for")
-    api.add_argument("--chat-template", metavar="FILE|TEMPLATE",
-                     help="a Jinja chat template instead of the checkpoint's (a file is passed as its path)")
-    api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $EPD_API_KEY; none)")
-    api.add_argument("--allowed-origins", metavar="JSON", help='CORS origins, a JSON list (default: ["*"])')
+    _add_engine_and_api_flags(p)
     add_vllm_flags(p)
     p.add_argument("--log-level", choices=LEVELS, help="every stage's (default: info)")
     p.add_argument("--log-format", choices=FORMATS, help="every stage's: text (default) or json lines")
@@ -167,6 +143,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--encode-fallback is for --mode epd (aggregated generators encode every image themselves)")
     check_vllm_flags(p, args)
     return args
+
+
+def _add_engine_and_api_flags(p: argparse.ArgumentParser) -> None:
+    """The flags vllm serve names the same, for the generators and the proxy."""
+    engine = p.add_argument_group("the engine, named as vllm serve names them (passed to every generator)")
+    engine.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                        help="share of each GPU a generator may use (default 0.9 alone, split where stages share)")
+    engine.add_argument("--max-num-seqs", type=int, metavar="N", help="requests a generator runs at once")
+    engine.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens a step may compute")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs in the generators: nothing captured at start-up, slower steps "
+                        "(encoders replay vision graphs only when given --vision-graphs)")
+    engine.add_argument("--max-model-len", type=int, metavar="N",
+                        help="prompt plus output tokens a request may have (the proxy refuses more, and a generator "
+                        "whose KV cache cannot hold one such request does not start; default: the checkpoint's)")
+    engine.add_argument("--limit-mm-per-prompt", type=_mm_limits, metavar="JSON",
+                        help='e.g. \'{"image": 4, "video": 1}\': the proxy refuses a request with more media; '
+                        "our limit is one count over images and videos together (their sum)")
+    engine.add_argument("--prefill-pacing-ms", type=float, metavar="MS",
+                        help="ours (vllm serve has none): hold prefill while decoding requests' mean time between "
+                        "tokens would pass MS, trading time to first token for steadier decode (default: off)")
+    engine.add_argument("--prefill-pacing-max-hold-ms", type=float, metavar="MS",
+                        help="with --prefill-pacing-ms: the longest prefill is held in a row (default: 500)")
+    api = p.add_argument_group("the OpenAI API (passed to the proxy; see python3 -m stages.proxy --help)")
+    api.add_argument("--served-model-name", nargs="+", metavar="NAME", help="names clients may ask for")
+    api.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                     help="a Jinja chat template instead of the checkpoint's (a file is passed as its path)")
+    api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $EPD_API_KEY; none)")
+    api.add_argument("--allowed-origins", metavar="JSON", help='CORS origins, a JSON list (default: ["*"])')
 
 
 def _gpu_list(text: str) -> tuple[int, ...]:
