@@ -38,11 +38,17 @@ def utilization_arg(text: str) -> float:
 def check_context(args: argparse.Namespace, model: torch.nn.Module, kv_bytes: int, sized_by: str) -> None:
     """ValueError unless --max-model-len suits the checkpoint and the KV
     cache holds one request of it; before the engine captures its graphs."""
+    shape = language_shape(model)
+    if args.max_model_len is not None and args.max_model_len > shape.max_context:
+        raise ValueError(f"--max-model-len {args.max_model_len}: this checkpoint takes 1 to {shape.max_context} tokens")
+    check_max_model_len(kv_bytes, shape.kv_bytes_per_token, args.block_size, args.max_model_len or shape.max_context,
+                        sized_by)
+
+
+def language_shape(model: torch.nn.Module) -> LanguageShape:
     lang = model.spec.language
-    if args.max_model_len is not None and args.max_model_len > lang.max_context:
-        raise ValueError(f"--max-model-len {args.max_model_len}: this checkpoint takes 1 to {lang.max_context} tokens")
-    per_token = 2 * lang.num_layers * lang.kv_heads * lang.head_dim * next(model.parameters()).element_size()
-    check_max_model_len(kv_bytes, per_token, args.block_size, args.max_model_len or lang.max_context, sized_by)
+    return LanguageShape(lang.num_layers, lang.kv_heads, lang.head_dim, lang.hidden_size, lang.intermediate_size,
+                         lang.vocab_size, lang.max_context, next(model.parameters()).element_size())
 
 
 def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> tuple[int, str]:
@@ -52,17 +58,15 @@ def kv_cache_bytes(args: argparse.Namespace, model: torch.nn.Module, device: tor
         return args.kv_cache_mib << 20, f"--kv-cache-mib {args.kv_cache_mib}"
     if device.type != "cuda":
         return CPU_KV_CACHE_MIB << 20, f"--kv-cache-mib auto on {device.type}"
-    lang, vision = model.spec.language, model.spec.vision
-    dtype_bytes = next(model.parameters()).element_size()
-    shape = LanguageShape(lang.num_layers, lang.kv_heads, lang.head_dim, lang.hidden_size,
-                          lang.intermediate_size, lang.vocab_size, lang.max_context, dtype_bytes)
+    vision, shape = model.spec.vision, language_shape(model)
+    dtype_bytes = shape.dtype_bytes
     vision_bytes = 0
     if args.mode == "aggregated" or args.encode_fallback == "local":
         patches = args.local_encode_tokens * vision.patches_per_token
         vision_bytes = forward_peak_bytes(patches, vision.hidden_size, vision.intermediate_size, dtype_bytes)
         vision_bytes += args.media_budget_mib << 20   # decoded media wait on the device (receive)
     spec = model.spec
-    embeddings = embedding_bytes(args.encoder_cache_tokens, spec.embedding_width, lang.hidden_size,
+    embeddings = embedding_bytes(args.encoder_cache_tokens, spec.embedding_width, shape.hidden_size,
                                  spec.side_levels, args.max_num_batched_tokens, dtype_bytes)
     reserve = activation_reserve(shape, args.max_num_batched_tokens, args.max_num_seqs, vision_bytes, embeddings)
     # Loading leaves freed staging buffers in torch's cache: hand them back,

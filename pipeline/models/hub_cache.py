@@ -10,8 +10,8 @@ import argparse
 import re
 from pathlib import Path
 
-# What huggingface_hub takes as a model repo id: NAME or ORG/NAME.
-REPO_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
+# A model repo id as huggingface_hub takes one, with its owner: ORG/NAME.
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def model_dir_arg(text: str) -> Path:
@@ -19,7 +19,7 @@ def model_dir_arg(text: str) -> Path:
     given; a repo id that is not a folder here, its cached snapshot folder.
     Anything else is returned as given, for the loader to refuse by name."""
     path = Path(text).expanduser()
-    if path.exists() or not REPO_ID.match(text) or "/" not in text:
+    if path.exists() or not REPO_ID.match(text):
         return path
     from huggingface_hub import snapshot_download   # here: only a repo id needs it
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
