@@ -244,9 +244,7 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
                        param="chat_template_kwargs")
     if kind == "chat" and not request.messages:
         raise ApiError("messages must be a non-empty list", param="messages")
-    if kind == "completion":
-        completion_prompts(request.prompt)
-    return request
+    return request   # a completion's prompt: completion_prompts, where the prompts are used
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:

@@ -131,8 +131,9 @@ class ProxyApp(ManyChoices):
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_body(await request.read(), "completion")
+        prompts = completion_prompts(req.prompt)   # a 400 for a bad one, before the model's name (as before)
         request[MODEL_NAME_KEY] = self.model.check_name(req.model)
-        rid, prompts = "cmpl-" + self.dispatcher.new_request_id(), completion_prompts(req.prompt)
+        rid = "cmpl-" + self.dispatcher.new_request_id()
         works = [await completion_work(req, self.model, rid if len(prompts) == 1 else f"{rid}.p{k}",
                                        self.dispatcher.address, prompt) for k, prompt in enumerate(prompts)]
         for work in works:
