@@ -16,7 +16,9 @@
 # after the first few no image costs any vision work: the same LM work with
 # none of the vision, the floor of the text-only TPOT; -paceN runs every
 # generator at --prefill-pacing-ms N (-holdM: --prefill-pacing-max-hold-ms M);
-# -smN caps the encoders at N% of the SMs (--encoder-sm-percent N).
+# -smN caps the encoders at N% of the SMs (--encoder-sm-percent N); -yieldN holds
+# each encoder forward (one image) up to N ms while the generator beside it
+# prefills (--encoder-yield-ms N).
 # MIXED_SEARCH=STEPS:LOW:HIGH first searches aggregated's sustained maximum for
 # the mixed load (epd-bench's paced search, as the other workloads since
 # session 15), runs aggregated's interference run at it, and sets the rate of
@@ -63,6 +65,7 @@ for run in $runs; do
   [[ $run == *-reuse* ]] && args+=("--bench-arg=--image-reuse=1")
   [[ $run =~ -pace([0-9.]+) ]] && args+=("--launch-arg=--stage-arg=generator=--prefill-pacing-ms=${BASH_REMATCH[1]}")
   [[ $run =~ -sm([0-9]+) ]] && args+=("--launch-arg=--encoder-sm-percent=${BASH_REMATCH[1]}")
+  [[ $run =~ -yield([0-9.]+) ]] && args+=("--launch-arg=--encoder-yield-ms=${BASH_REMATCH[1]}")
   [[ $run =~ -hold([0-9.]+) ]] && args+=("--launch-arg=--stage-arg=generator=--prefill-pacing-max-hold-ms=${BASH_REMATCH[1]}")
   timeout 200 python3 scripts/gpu_sustained.py "${args[@]}" --out "$R/$name" "${tiny[@]}" "${timing[@]}" \
     --interference-rate "$rate"

@@ -35,6 +35,7 @@ from pipeline.models.vision_flags import add_vision_graph_flags, check_vision_gr
 from pipeline.processing.image import ImageProcessorConfig
 from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import video_config_of
+from pipeline.prefill_signal import PrefillHold, PrefillSignal
 from pipeline.watchdog import HangWatchdog, add_hang_timeout_flag
 from pipeline.models.hub_cache import model_dir_arg
 
@@ -68,6 +69,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--block-kib", type=int, default=64, help="arena block size")
     p.add_argument("--max-batch-tokens", type=int, default=16384, help="visual tokens per forward")
     add_vision_graph_flags(p)
+    p.add_argument("--yield-to-prefill", action="append", default=[], metavar="PATH",
+                   help="a generator's --prefill-signal file: run one image a forward, each held while a "
+                        "generator beside this encoder runs a prefill step; repeatable")
+    p.add_argument("--yield-max-ms", type=float, default=30.0, metavar="MS",
+                   help="with --yield-to-prefill: the longest one forward is held (default: 30)")
     p.add_argument("--lease-timeout", type=float, default=30.0, help="seconds without heartbeat")
     add_hang_timeout_flag(p, "a vision forward, or the event loop,")
     p.add_argument("--decode-threads", type=int, default=4)
@@ -78,6 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     check_vision_graph_flags(p, args)
+    if not args.yield_max_ms > 0:
+        p.error(f"--yield-max-ms must be > 0 (got {args.yield_max_ms:g})")
     return args
 
 
@@ -129,13 +137,23 @@ async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: trans
     service = EncoderService(settings, store, tower, media, image_config, outbox.try_send,
                              decode_pool, compute_pool,
                              stage_vision_forward(tower, device, args, image_config), video_config,
-                             video_media, HangWatchdog(args.hang_timeout))
+                             video_media, HangWatchdog(args.hang_timeout), prefill_hold(args, cleanup))
     cleanup.callback(service.lanes.close)
     for address in args.announce_to:
         service.handle_hello(address)
     log.info("encoder %s ready on %s (device %s, media %s, video %s, arena %d MiB, %d CPU threads)",
              args.instance, args.address, device, media.name, video_media.name, arena_mib, torch.get_num_threads())
     await _until_stopped(service.run(), _receive(inbox, service))
+
+
+def prefill_hold(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> PrefillHold | None:
+    if not args.yield_to_prefill:
+        return None
+    hold = PrefillHold([PrefillSignal(path) for path in args.yield_to_prefill], args.yield_max_ms / 1e3)
+    cleanup.callback(hold.close)
+    log.info("forwards of one image, each held up to %g ms while a generator beside this encoder prefills",
+             args.yield_max_ms)
+    return hold
 
 
 async def _receive(inbox: transport.Inbox, service: EncoderService) -> None:

@@ -44,6 +44,7 @@ from pipeline.media.video_probe import VideoDecodeError
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import resolve_device
 from pipeline.models.stage_model import add_random_weights_flag, load_stage_model, stage_model_dir
+from pipeline.prefill_signal import PrefillSignal
 from pipeline.models.vision_flags import add_vision_graph_flags, check_vision_graph_flags, stage_vision_forward
 from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
 from pipeline.processing.media_prompt import video_tokens_of
@@ -111,6 +112,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "waiting for their first token wait longer instead (default: off)")
     p.add_argument("--prefill-pacing-max-hold-ms", type=float, default=500.0, metavar="MS",
                    help="with --prefill-pacing-ms: the longest prefill is held in a row (default: 500)")
+    p.add_argument("--prefill-signal", metavar="PATH",
+                   help="set a one-byte file at PATH while a step with prefill tokens runs, for the encoders "
+                        "beside this generator on its GPU (their --yield-to-prefill; epd-launch "
+                        "--encoder-yield-ms sets both)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no CUDA graphs, as vLLM's flag: decode and mixed steps launch their kernels one by "
                         "one (nothing captured at start-up; slower steps); refuses --vision-graphs")
@@ -161,6 +166,8 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
                           prefill_pacing_max_hold_ms=args.prefill_pacing_max_hold_ms,
                           cuda_graphs=not args.enforce_eager)
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
+    if args.prefill_signal:
+        engine.on_prefill = PrefillSignal(args.prefill_signal).set
     blocks = engine.scheduler.config.num_blocks
     log.info("KV cache: %.2f GiB (%d MiB), %d blocks of %d tokens, %d tokens (%s)", kv_bytes / GIB,
              kv_bytes >> 20, blocks, args.block_size, blocks * args.block_size, sized_by)

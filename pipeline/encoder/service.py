@@ -35,6 +35,7 @@ from pipeline.media.video_probe import VideoDecodeError
 from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
 from pipeline.processing.video import VideoOptions, video_settings_key
 from pipeline.processing.video_config import VideoProcessorConfig
+from pipeline.prefill_signal import PrefillHold
 from pipeline.watchdog import HangWatchdog
 
 log = logging.getLogger("epd.encoder")
@@ -70,7 +71,8 @@ class EncoderService:
                  decode_pool: Executor, compute_pool: Executor,
                  forward: Callable[[torch.Tensor, list], list[torch.Tensor]] | None = None,
                  video_config: VideoProcessorConfig | None = None,
-                 video_media: VideoBackend | None = None, watchdog: HangWatchdog | None = None) -> None:
+                 video_media: VideoBackend | None = None, watchdog: HangWatchdog | None = None,
+                 prefill_hold: PrefillHold | None = None) -> None:
         self.settings = settings
         self.store = store
         self.tower = tower
@@ -99,6 +101,8 @@ class EncoderService:
         # A forward stuck past its timeout, or this event loop: the process exits (watchdog.py).
         self.watchdog = watchdog or HangWatchdog(None)
         self.forwarding = False
+        # Forwards of one image, each held while a generator beside it prefills (prefill_signal.py).
+        self.prefill_hold = prefill_hold
 
     # ------------------------------------------------------------- messages
 
@@ -145,6 +149,8 @@ class EncoderService:
         for phase in ("decode", "forward"):
             counters[f"busy_us.{phase}"] = int(totals[f"{phase}_s"] * 1e6)
             counters[f"images.{phase}"] = int(totals[f"{phase}_images"])
+        if self.prefill_hold:
+            counters["busy_us.held"] = int(totals["held_s"] * 1e6)   # forwards held for a generator's prefill
         return protocol.StageStats("encoder", self.settings.encoder_id, counters, gauges, self.settings.address,
                                    self.incarnation)
 
@@ -283,7 +289,8 @@ class EncoderService:
             await self._compute_wake.wait()
             self._compute_wake.clear()
             while self.decoded:
-                batch = take_batch(self.decoded, lambda d: d.tokens, self.settings.max_batch_tokens)
+                budget = 1 if self.prefill_hold else self.settings.max_batch_tokens   # 1: one item
+                batch = take_batch(self.decoded, lambda d: d.tokens, budget)
                 self._decode_wake.set()   # room for the next decodes
                 reserved, waiting = self._reserve(batch)
                 self.decoded.extendleft(reversed(waiting))   # the arena is full of leased entries
@@ -296,10 +303,11 @@ class EncoderService:
                     self.watchdog.progress(force=True)
                     self.forwarding = True
                     try:
-                        await loop.run_in_executor(self.compute_pool, self._forward_and_store, reserved)
+                        held = await loop.run_in_executor(self.compute_pool, self._forward_and_store, reserved)
                     finally:
                         self.forwarding = False
-                    self.busy["forward_s"] += time.perf_counter() - started
+                    self.busy["forward_s"] += time.perf_counter() - started - held
+                    self.busy["held_s"] += held
                     self.busy.update(forward_images=len(reserved), forwards=1)   # this window's
                 except Exception as exc:  # a failed forward must not stop the encoder
                     log.exception("vision forward failed")
@@ -332,20 +340,23 @@ class EncoderService:
     def dtype(self) -> torch.dtype:
         return self.tower.dtype
 
-    def _forward_and_store(self, reserved: list[tuple[_Decoded, Entry]]) -> None:
+    def _forward_and_store(self, reserved: list[tuple[_Decoded, Entry]]) -> float:
         """Compute thread: one vision forward for the batch, outputs into the
-        arena, one synchronisation before any handle is announced."""
+        arena, one synchronisation before any handle is announced. Returns
+        the seconds the forward was held for a generator's prefill."""
+        held = self.prefill_hold.wait() if self.prefill_hold else 0.0
         device = self.store.data.device
         if len(reserved) == 1 and reserved[0][0].tokens > self.settings.max_batch_tokens:
             self._forward_in_parts(*reserved[0], device)
-            return
+            return held
         pixels = torch.cat([item.image.pixel_values.to(device, non_blocking=True) for item, _ in reserved])
         with torch.inference_mode():
             outputs = self.forward(pixels, [item.image.grid for item, _ in reserved])
             for (_, entry), output in zip(reserved, outputs):
                 self.store.write(entry, output)
-        self.store.sync()
+        self.store.sync()   # also, with a prefill hold, what keeps one forward on the device at a time
         self.forwards += 1
+        return held
 
     def _forward_in_parts(self, item: _Decoded, entry: Entry, device: torch.device) -> None:
         """A clip over the token budget: forwards of whole temporal patches

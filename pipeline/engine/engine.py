@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from pipeline.engine.penalties import PenaltyPool, uses_penalties
 from pipeline.engine.sampler import SamplingRow, make_generator
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.step_profile import StepProfile, step_kind
+from pipeline.prefill_signal import signalling
 from pipeline.processing.processor import MultimodalPrompt
 from pipeline.processing.tokenizer import Tokenizer
 
@@ -101,6 +103,9 @@ class Engine:
         self._arrivals = 0
         hold_s = config.prefill_pacing_max_hold_ms / 1e3
         self.pacer = PrefillPacer(None if config.prefill_pacing_ms is None else config.prefill_pacing_ms / 1e3, hold_s)
+        # Called with True before a step with prefill tokens is launched and
+        # with False once its logits are read (pipeline/prefill_signal.py).
+        self.on_prefill: Callable[[bool], None] | None = None
 
     def _configure_dependent_launch(self, fused: bool, device: torch.device) -> None:
         wanted = self.config.dependent_launch
@@ -281,22 +286,25 @@ class Engine:
         sampled: dict[str, int] = {}
         logprobs: dict = {}
         if plan.chunks:
-            started = time.monotonic()
-            for chunk in plan.chunks:
-                self.live[chunk.request_id].phases.on_scheduled(started)
-            requests = {c.request_id: self.scheduler.get_request(c.request_id) for c in plan.chunks}
-            due, logits = self.runner.execute(plan, requests, {c.request_id: self.live[c.request_id].geometry
-                                                               for c in plan.chunks}, self.scheduler.encoder_cache.get)
-            # On a GPU the forward is only queued so far. The grammar masks need
-            # only the tokens consumed already: the host fills them now, before
-            # the first read that waits for the logits (in choose()).
-            masks = self._grammars.fill([self.live[c.request_id].matcher for c in due]) if self._grammars else None
-            rows = [self.sampling_row(c.request_id) for c in due]
-            if self._decode_ahead and self.runner.is_fast_decode(plan, requests):
-                self.ahead.launch(self, plan, due, logits, rows, masks)   # read by the next step (engine/ahead.py)
-                self._record(plan, t0, t1, t2, time.perf_counter())
-                return []
-            chosen = choose(logits, rows, self.penalties, masks, self._grammars)
+            # The signal spans the step's device time: choose() waits for the logits.
+            with signalling(self.on_prefill if plan.num_batched_tokens > len(plan.chunks) else None):
+                started = time.monotonic()
+                for chunk in plan.chunks:
+                    self.live[chunk.request_id].phases.on_scheduled(started)
+                requests = {c.request_id: self.scheduler.get_request(c.request_id) for c in plan.chunks}
+                due, logits = self.runner.execute(plan, requests, {c.request_id: self.live[c.request_id].geometry
+                                                                   for c in plan.chunks},
+                                                  self.scheduler.encoder_cache.get)
+                # On a GPU the forward is only queued so far. The grammar masks need
+                # only the tokens consumed already: the host fills them now, before
+                # the first read that waits for the logits (in choose()).
+                masks = self._grammars.fill([self.live[c.request_id].matcher for c in due]) if self._grammars else None
+                rows = [self.sampling_row(c.request_id) for c in due]
+                if self._decode_ahead and self.runner.is_fast_decode(plan, requests):
+                    self.ahead.launch(self, plan, due, logits, rows, masks)   # read by the next step (engine/ahead.py)
+                    self._record(plan, t0, t1, t2, time.perf_counter())
+                    return []
+                chosen = choose(logits, rows, self.penalties, masks, self._grammars)
             sampled = dict(zip((c.request_id for c in due), chosen.tokens))
             logprobs = {due[i].request_id: lp for i, lp in chosen.logprobs.items()}
         t3 = time.perf_counter()

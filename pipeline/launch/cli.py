@@ -40,6 +40,9 @@ def _add_mps_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-sm-percent", type=int, metavar="N",
                    help="MPS: cap each encoder at N%% of its GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; "
                    "default: no cap)")
+    p.add_argument("--encoder-yield-ms", type=float, metavar="MS",
+                   help="encoders beside a generator on its GPU run one image a forward, each held up to MS "
+                   "while that generator runs a prefill step (default: off)")
     p.add_argument("--encoder-priority", choices=ENCODER_PRIORITIES, default="normal",
                    help="MPS: the encoders' client priority (CUDA_MPS_CLIENT_PRIORITY); below-normal: where "
                    "both are ready, the generators' kernels are scheduled first (default: normal)")
@@ -213,7 +216,8 @@ def build_options(args: argparse.Namespace) -> LaunchOptions:
                             tuple(args.stage_arg) + forwarded_stage_args(args),
                             random_weights=args.random_weights, drain_timeout=args.drain_timeout,
                             placement=args.placement, mps=args.mps, encoder_sm_percent=args.encoder_sm_percent,
-                            encoder_priority=args.encoder_priority, profile=args.profile)
+                            encoder_priority=args.encoder_priority, encoder_yield_ms=args.encoder_yield_ms,
+                            profile=args.profile)
     run_dir.mkdir(mode=0o700, exist_ok=True)
     return options
 

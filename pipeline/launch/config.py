@@ -49,6 +49,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     mps: Mps | None = None
     encoder_sm_percent: int | None = None
     encoder_priority: EncoderPriority | None = None
+    encoder_yield_ms: float | None = None
     profile: str | None = None
     images: int | None = None
     image_size: str | None = None

@@ -33,9 +33,9 @@ ENCODER_PRIORITIES = ("normal", "below-normal")
 # win over the plan (argparse keeps the last value), e.g. two stages on one GPU.
 MANAGED_FLAGS = {
     "encoder": frozenset({"--address", "--instance", "--model", "--model-id", "--device", "--dtype",
-                          "--random-weights"}),
+                          "--random-weights", "--yield-to-prefill", "--yield-max-ms"}),
     "generator": frozenset({"--address", "--instance", "--model", "--device", "--dtype", "--mode",
-                            "--encoders", "--random-weights"}),
+                            "--encoders", "--random-weights", "--prefill-signal"}),
     "proxy": frozenset({"--host", "--port", "--address", "--model", "--model-id", "--encoders",
                         "--generators", "--mode", "--drain-timeout"}),
 }
@@ -81,6 +81,7 @@ class LaunchOptions:
     mps: str = "auto"  # a private MPS daemon: auto (where stages share a GPU), on, off
     encoder_sm_percent: int | None = None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for encoders
     encoder_priority: str = "normal"  # or "below-normal": CUDA_MPS_CLIENT_PRIORITY=1 for encoders
+    encoder_yield_ms: float | None = None  # hold an encoder's forwards while a generator on its GPU prefills
     profile: Path | None = None  # epd-plan's profile for --placement auto (else the cached one)
 
     def __post_init__(self) -> None:
@@ -93,6 +94,8 @@ class LaunchOptions:
             if self.mps == "off":
                 raise LaunchError("--encoder-sm-percent needs MPS (it is MPS's per-client SM share); drop --mps off")
         _check_choice("--encoder-priority", self.encoder_priority, ENCODER_PRIORITIES)
+        if self.encoder_yield_ms is not None and not self.encoder_yield_ms > 0:
+            raise LaunchError(f"--encoder-yield-ms must be > 0 (got {self.encoder_yield_ms:g})")
         if self.encoder_priority != "normal" and self.mps == "off":
             raise LaunchError("--encoder-priority needs MPS (it is MPS's client priority); drop --mps off")
         _check_choice("--device", self.device, DEVICES)
@@ -186,23 +189,43 @@ def plan_stages(options: LaunchOptions, facts: HostFacts, placement: str | None 
     on_cpu = devices.count("cpu")
     threads = {"cpu": ("--cpu-threads", str(threads_per_stage(on_cpu, facts.cpus)))} if on_cpu else {}
 
+    yields = prefill_yield_args(options, dict(zip(encoders, devices)), dict(zip(generators, devices[len(encoders):])))
     specs = []
     for name, device in zip(encoders, devices):
         args = ("--address", address[name], "--instance", name, "--model", str(model),
                 "--model-id", model_id, "--device", device, *dtype, *weights, *threads.get(device, ()),
-                *extra["encoder"])
+                *yields.get(name, ()), *extra["encoder"])
         specs.append(_spec(options, "encoder", name, address[name], device, args, env))
     shares = generator_memory_shares(devices[:len(encoders)], devices[len(encoders):], extra["generator"])
     for name, device, share in zip(generators, devices[len(encoders):], shares):
         args = ("--address", address[name], "--instance", name, "--model", str(model),
                 "--device", device, *dtype, *weights, "--mode", options.mode, *to_encoders,
-                *share, *threads.get(device, ()), *extra["generator"])
+                *share, *threads.get(device, ()), *yields.get(name, ()), *extra["generator"])
         specs.append(_spec(options, "generator", name, address[name], device, args, env))
     args = ("--host", options.host, "--port", str(options.port), "--address", address["proxy"],
             "--model", str(model), "--model-id", model_id, "--mode", options.mode, *to_encoders,
             *to_generators, "--drain-timeout", f"{options.drain_timeout:g}", *extra["proxy"])
     specs.append(_spec(options, "proxy", "proxy", address["proxy"], "cpu", args, {}))
     return specs
+
+
+def prefill_yield_args(options: LaunchOptions, encoders: dict[str, str],
+                       generators: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """With --encoder-yield-ms, stage -> its flags: each generator that shares
+    a GPU with an encoder sets a signal file in the run folder while it
+    prefills, and each encoder there holds its forwards on those files
+    (pipeline/prefill_signal.py). Nothing on the CPU or for a stage alone on its GPU."""
+    if options.encoder_yield_ms is None:
+        return {}
+    signal = {name: options.run_dir / f"{name}.prefill" for name in generators}
+    out: dict[str, tuple[str, ...]] = {}
+    for encoder, device in encoders.items():
+        beside = [name for name, d in generators.items() if d == device and device.startswith("cuda")]
+        if beside:
+            out[encoder] = (*(flag for name in beside for flag in ("--yield-to-prefill", str(signal[name]))),
+                            "--yield-max-ms", f"{options.encoder_yield_ms:g}")
+            out.update({name: ("--prefill-signal", str(signal[name])) for name in beside})
+    return out
 
 
 def stage_devices(options: LaunchOptions, facts: HostFacts, placement: str) -> list[str]:

@@ -85,7 +85,8 @@ _LABELLED_COUNTERS = (
     ("epd_generator_step_tokens", "Tokens run by engine steps, by kind", "generator", "step_tokens.", "kind", 1),
     ("epd_generator_step_seconds", "Time in engine steps, by kind (rate() of it: the share of time busy)",
      "generator", "step_us.", "kind", 1e-6),
-    ("epd_encoder_busy_seconds", "Encoder time decoding images and in vision forwards", "encoder", "busy_us.",
+    ("epd_encoder_busy_seconds", "Encoder time decoding images, in vision forwards, and (held) with a forward "
+     "held while a generator beside it prefills", "encoder", "busy_us.",
      "phase", 1e-6),
     ("epd_encoder_images", "Images decoded and run through the vision tower", "encoder", "images.", "phase", 1),
     ("epd_encoder_handoffs", "Embeddings handed to generators, by lane (a same-host ring, or the socket)",
