@@ -26,9 +26,14 @@ POLL_S = 0.0003   # well under a decode step (2-5 ms beside vision), so a held f
 
 
 class PrefillSignal:
-    """One generator's byte: 1 while one of its steps with prefill tokens runs."""
+    """One generator's byte: 1 while one of its steps with prefill tokens runs.
 
-    def __init__(self, path: str | Path) -> None:
+    `writer` is the generator's side: it clears the byte on opening, since a
+    generator restarted after dying mid-prefill is not prefilling. The file
+    stays in place across restarts (an encoder beside it keeps its mapping);
+    the launcher removes it when the stack stops."""
+
+    def __init__(self, path: str | Path, writer: bool = False) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < 1:
@@ -36,6 +41,8 @@ class PrefillSignal:
             self._map = mmap.mmap(fd, 1)
         finally:
             os.close(fd)   # the mapping keeps the file open
+        if writer:
+            self.set(False)
 
     def set(self, prefilling: bool) -> None:
         self._map[0] = 1 if prefilling else 0

@@ -167,7 +167,7 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
                           cuda_graphs=not args.enforce_eager)
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
     if args.prefill_signal:
-        engine.on_prefill = PrefillSignal(args.prefill_signal).set
+        engine.on_prefill = PrefillSignal(args.prefill_signal, writer=True).set
     blocks = engine.scheduler.config.num_blocks
     log.info("KV cache: %.2f GiB (%d MiB), %d blocks of %d tokens, %d tokens (%s)", kv_bytes / GIB,
              kv_bytes >> 20, blocks, args.block_size, blocks * args.block_size, sized_by)

@@ -191,7 +191,7 @@ def test_a_clip_over_the_token_budget_is_encoded_in_parts_equal_to_one_forward(t
             entry = store.index.get(ready.content_hash)
             start = entry.start_block * store.index.block_bytes
             embeddings[budget] = store.data[start:start + entry.nbytes].clone()
-            forwards = service.forwards
+            forwards = service.vision.forwards
             service.handle(protocol.ReleaseLease((ready.lease_id,), "inproc://gen"))
             assert store.index.lease_count == 0
             running.cancel()

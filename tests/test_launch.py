@@ -38,6 +38,8 @@ if "exit" in rules:
     sys.exit(rules["exit"])
 if rules.get("shm"):  # like an arena that only a clean stop removes
     Path(f"/dev/shm/epd-{instance}-{os.getpid()}-arena").write_bytes(b"x")
+if flag("--prefill-signal"):  # like a generator's signal file (pipeline/prefill_signal.py)
+    Path(flag("--prefill-signal")).write_bytes(b"\0")
 def on_term(*_):  # stamps when SIGTERM came and when it exits; a "drain" first
     (HERE / "stamps" / f"{instance}.term").write_text(repr(time.time()))
     time.sleep(rules.get("drain", 0))
@@ -67,6 +69,7 @@ while True:
 
 DRIVER = r'''
 import json, sys
+from dataclasses import replace
 from pathlib import Path
 cfg = json.loads(sys.argv[1])
 sys.path.insert(0, cfg["repo"])
@@ -77,6 +80,9 @@ from pipeline.launch.supervisor import SupervisorConfig, run_supervisor
 here = Path(cfg["dir"])
 options = LaunchOptions(cfg["encoders"], cfg["generators"], here / "run", port=cfg["port"])
 specs = plan_stages(options, HostFacts(0, here / "tiny-model"))
+if cfg["prefill_signals"]:  # as prefill_yield_args gives them to generators beside an encoder
+    specs = [replace(s, args=(*s.args, "--prefill-signal", str(here / "run" / f"{s.instance}.prefill")))
+             if s.role == "generator" else s for s in specs]
 stand_in = (sys.executable, str(here / "stand_in.py"))
 mps = None
 if cfg["mps"] is not None:  # every model stage is a client, as if all shared cuda:0
@@ -103,7 +109,8 @@ class Launcher:
     """A supervisor process over stand-ins, its output collected by threads."""
 
     def __init__(self, folder: Path, behaviour: dict, encoders=1, generators=2, ready_timeout=20.0,
-                 max_restarts=5, drain_timeout=5.0, mps: dict | None = None, env: dict | None = None):
+                 max_restarts=5, drain_timeout=5.0, mps: dict | None = None, env: dict | None = None,
+                 prefill_signals=False):
         self.folder = folder
         (folder / "pids").mkdir()
         (folder / "stamps").mkdir()
@@ -113,7 +120,7 @@ class Launcher:
         self.port = free_port()
         cfg = dict(repo=str(REPO), dir=str(folder), encoders=encoders, generators=generators,
                    port=self.port, ready_timeout=ready_timeout, max_restarts=max_restarts,
-                   drain_timeout=drain_timeout, mps=mps)
+                   drain_timeout=drain_timeout, mps=mps, prefill_signals=prefill_signals)
         self.proc = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(cfg)], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True,
                                      env={**os.environ, **(env or {})})
@@ -203,6 +210,18 @@ def test_ready_after_health_then_sigterm_stops_everything(launch):
     assert not list(Path("/dev/shm").glob(f"epd-encoder-0-{encoder_pid}-*"))
     launcher.wait_for(r"encoder-0 did not stop within 1 s; killing it")
     launcher.wait_for(rf"removed shared memory left by encoder-0: epd-encoder-0-{encoder_pid}-arena")
+
+
+def test_the_generators_prefill_signal_files_are_removed_when_the_stack_stops(launch, tmp_path):
+    (tmp_path / "ready").touch()
+    launcher = launch({}, prefill_signals=True)
+    launcher.wait_for("EPD ready")
+    files = [tmp_path / "run" / f"generator-{i}.prefill" for i in range(2)]
+    until(lambda: all(f.exists() for f in files), "the generators to make their signal files", 10)
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.finish() == 0, launcher.err
+    assert not [f for f in files if f.exists()]
+    assert_all_gone(launcher.pids())
 
 
 def test_the_proxy_stops_first_and_its_drain_still_has_the_model_stages(launch, tmp_path):

@@ -82,6 +82,17 @@ def test_a_hold_waits_on_any_generator_of_its_gpu(tmp_path):
     assert PrefillHold([first, second], 1.0, fake.clock, fake.sleep).wait() == pytest.approx(2 * POLL_S)
 
 
+def test_a_restarted_generator_clears_the_byte_its_dead_predecessor_left_set(tmp_path):
+    path = tmp_path / "generator-0.prefill"
+    encoder_side = PrefillSignal(path)
+    PrefillSignal(path, writer=True).set(True)   # a generator dies in a prefill step
+    assert encoder_side.is_set()
+    PrefillSignal(path, writer=True)   # its restart is not prefilling
+    assert not encoder_side.is_set()
+    PrefillSignal(path, writer=True).set(True)
+    assert PrefillSignal(path).is_set() and encoder_side.is_set()   # a reader's open leaves the byte as it was
+
+
 def test_signalling_clears_the_byte_however_the_block_ends(tmp_path):
     signal = PrefillSignal(tmp_path / "g")
     with pytest.raises(RuntimeError):

@@ -23,10 +23,11 @@ from pipeline.arena.index import ArenaBusy, ArenaFull, Entry, State
 from pipeline.arena.store import ArenaStore
 from pipeline.encoder.aborts import drop_aborted
 from pipeline.encoder.backpressure import ArenaSpace, decode_room
-from pipeline.encoder.batching import take_batch, temporal_parts
+from pipeline.encoder.batching import take_batch
 from pipeline.encoder.periodic import expiry_loop, profile_loop, watchdog_loop
 from pipeline.encoder.ring_lanes import RingLanes
 from pipeline.encoder.single_flight import SingleFlight
+from pipeline.encoder.vision_run import Decoded, VisionRun
 from pipeline.hashing import content_hash, media_salt
 from pipeline.incarnations import Incarnations
 from pipeline.media.base import DecodedImage, MediaBackend
@@ -50,13 +51,6 @@ class EncoderSettings:
     expiry_interval: float = 1.0
 
 
-@dataclass(frozen=True)
-class _Decoded:
-    content_hash: str
-    image: DecodedImage
-    tokens: int
-
-
 def job_video_options(job: protocol.EncodeJob) -> VideoOptions | None:
     """The request's own sampling of this clip (ValueError if invalid)."""
     if job.video_fps is None and job.video_frames is None:
@@ -76,7 +70,8 @@ class EncoderService:
         self.settings = settings
         self.store = store
         self.tower = tower
-        self.forward = forward or tower   # e.g. VisionGraphs(tower): the same outputs, replayed
+        # forward: e.g. VisionGraphs(tower), the same outputs replayed; run on the compute thread.
+        self.vision = VisionRun(store, forward or tower, settings.max_batch_tokens, prefill_hold)
         self.media = media
         self.image_config = image_config
         self.send = send
@@ -88,21 +83,18 @@ class EncoderService:
         self.salt = media_salt(settings.model_id, image_config.settings_key())
         self.flight: SingleFlight[protocol.EncodeJob] = SingleFlight()
         self.to_decode: deque[tuple[str, protocol.EncodeJob]] = deque()
-        self.decoded: deque[_Decoded] = deque()
+        self.decoded: deque[Decoded] = deque()
         self.counters: Counter[str] = Counter()
         self.incarnation = protocol.new_incarnation()
         self.consumers = Incarnations()   # of the generators, from their hellos and heartbeats
         self.busy: Counter[str] = Counter()   # seconds and images per window, for the profile log
         self.busy_totals: Counter[str] = Counter()   # the same since start, for /metrics
-        self.forwards = 0
         self._decode_wake = asyncio.Event()
         self._compute_wake = asyncio.Event()
         self.space = ArenaSpace()   # waits for arena room (backpressure.py)
         # A forward stuck past its timeout, or this event loop: the process exits (watchdog.py).
         self.watchdog = watchdog or HangWatchdog(None)
         self.forwarding = False
-        # Forwards of one image, each held while a generator beside it prefills (prefill_signal.py).
-        self.prefill_hold = prefill_hold
 
     # ------------------------------------------------------------- messages
 
@@ -143,13 +135,13 @@ class EncoderService:
         gauges = {"arena_bytes_used": float(index.bytes_used), "arena_leases": float(index.lease_count),
                   "arena_entries": float(len(index.entries)), "arena_capacity": float(self.store.info.capacity),
                   "in_flight": float(len(self.flight))}
-        counters = dict(self.counters, forwards=self.forwards, evictions=index.evictions,
+        counters = dict(self.counters, forwards=self.vision.forwards, evictions=index.evictions,
                         ring_wakes=self.lanes.wakes)
         totals = self.busy_totals + self.busy   # the open window's share too
         for phase in ("decode", "forward"):
             counters[f"busy_us.{phase}"] = int(totals[f"{phase}_s"] * 1e6)
             counters[f"images.{phase}"] = int(totals[f"{phase}_images"])
-        if self.prefill_hold:
+        if self.vision.prefill_hold:
             counters["busy_us.held"] = int(totals["held_s"] * 1e6)   # forwards held for a generator's prefill
         return protocol.StageStats("encoder", self.settings.encoder_id, counters, gauges, self.settings.address,
                                    self.incarnation)
@@ -280,7 +272,7 @@ class EncoderService:
                 self._queue_decoded(key, DecodedImage(video.pixel_values, video.plan.grid, video.plan.source_size))
 
     def _queue_decoded(self, key: str, decoded: DecodedImage) -> None:
-        self.decoded.append(_Decoded(key, decoded, self.tower.tokens_per_image(decoded.grid)))
+        self.decoded.append(Decoded(key, decoded, self.tower.tokens_per_image(decoded.grid)))
         self._compute_wake.set()
 
     async def _compute_loop(self) -> None:
@@ -289,7 +281,7 @@ class EncoderService:
             await self._compute_wake.wait()
             self._compute_wake.clear()
             while self.decoded:
-                budget = 1 if self.prefill_hold else self.settings.max_batch_tokens   # 1: one item
+                budget = 1 if self.vision.prefill_hold else self.settings.max_batch_tokens   # 1: one item
                 batch = take_batch(self.decoded, lambda d: d.tokens, budget)
                 self._decode_wake.set()   # room for the next decodes
                 reserved, waiting = self._reserve(batch)
@@ -303,7 +295,7 @@ class EncoderService:
                     self.watchdog.progress(force=True)
                     self.forwarding = True
                     try:
-                        held = await loop.run_in_executor(self.compute_pool, self._forward_and_store, reserved)
+                        held = await loop.run_in_executor(self.compute_pool, self.vision, reserved)
                     finally:
                         self.forwarding = False
                     self.busy["forward_s"] += time.perf_counter() - started - held
@@ -320,7 +312,7 @@ class EncoderService:
                     for i, job in enumerate(self.flight.finish(item.content_hash)):
                         self._deliver(job, entry, dedup=i > 0)
 
-    def _reserve(self, batch: list[_Decoded]) -> tuple[list[tuple[_Decoded, Entry]], list[_Decoded]]:
+    def _reserve(self, batch: list[Decoded]) -> tuple[list[tuple[Decoded, Entry]], list[Decoded]]:
         """(the items given arena room, those that wait for it: the first without room and all after it)."""
         reserved = []
         for i, item in enumerate(batch):
@@ -339,39 +331,6 @@ class EncoderService:
     @property
     def dtype(self) -> torch.dtype:
         return self.tower.dtype
-
-    def _forward_and_store(self, reserved: list[tuple[_Decoded, Entry]]) -> float:
-        """Compute thread: one vision forward for the batch, outputs into the
-        arena, one synchronisation before any handle is announced. Returns
-        the seconds the forward was held for a generator's prefill."""
-        held = self.prefill_hold.wait() if self.prefill_hold else 0.0
-        device = self.store.data.device
-        if len(reserved) == 1 and reserved[0][0].tokens > self.settings.max_batch_tokens:
-            self._forward_in_parts(*reserved[0], device)
-            return held
-        pixels = torch.cat([item.image.pixel_values.to(device, non_blocking=True) for item, _ in reserved])
-        with torch.inference_mode():
-            outputs = self.forward(pixels, [item.image.grid for item, _ in reserved])
-            for (_, entry), output in zip(reserved, outputs):
-                self.store.write(entry, output)
-        self.store.sync()   # also, with a prefill hold, what keeps one forward on the device at a time
-        self.forwards += 1
-        return held
-
-    def _forward_in_parts(self, item: _Decoded, entry: Entry, device: torch.device) -> None:
-        """A clip over the token budget: forwards of whole temporal patches
-        under the budget, each written into its rows of the one entry, so
-        the tower's activations stay bounded however long the clip."""
-        grid_t, grid_h, grid_w = item.image.grid
-        rows_per_step = grid_h * grid_w   # patch rows of one temporal patch
-        tokens_per_step = item.tokens // grid_t
-        with torch.inference_mode():
-            for start, end in temporal_parts(grid_t, item.tokens, self.settings.max_batch_tokens):
-                pixels = item.image.pixel_values[start * rows_per_step:end * rows_per_step]
-                output, = self.forward(pixels.to(device, non_blocking=True), [(end - start, grid_h, grid_w)])
-                self.store.write_rows(entry, output, start * tokens_per_step)
-                self.forwards += 1
-        self.store.sync()
 
     # ------------------------------------------------------------- replies
 

@@ -228,6 +228,15 @@ def prefill_yield_args(options: LaunchOptions, encoders: dict[str, str],
     return out
 
 
+def prefill_signal_file(spec: StageSpec) -> Path | None:
+    """The signal file a generator was given by prefill_yield_args, if any
+    (the supervisor removes it once the stack has stopped)."""
+    args = list(spec.args)
+    if "--prefill-signal" not in args[:-1]:
+        return None
+    return Path(args[args.index("--prefill-signal") + 1])
+
+
 def stage_devices(options: LaunchOptions, facts: HostFacts, placement: str) -> list[str]:
     """The device of each model stage (encoders first)."""
     if not _uses_cuda(options, facts):

@@ -29,7 +29,7 @@ from typing import IO
 
 from pipeline.arena.shm import remove_stale_segments
 from pipeline.launch.mps import MpsConfig, MpsDaemon, MpsError
-from pipeline.launch.plan import StageSpec
+from pipeline.launch.plan import StageSpec, prefill_signal_file
 from pipeline.launch.sd_notify import Notifier
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -247,7 +247,7 @@ class Supervisor:
     def _stop_all(self) -> None:
         """Stop the proxy, then the model stages (SIGTERM, SIGKILL whoever
         outlives its time), reap all, then remove what the dead left behind
-        (shm segments, socket files). The proxy goes first so that the
+        (shm segments, socket files, prefill signal files). The proxy goes first so that the
         requests it drains still have their encoders and generators."""
         front = [s for s in self.stages if s.spec.role == "proxy"]
         self._terminate(front, self.config.drain_timeout + self.config.stop_timeout, draining=True)
@@ -260,6 +260,9 @@ class Supervisor:
                             f"{', '.join(removed)}")
             if stage.spec.address.startswith("ipc://"):
                 Path(stage.spec.address[len("ipc://"):]).unlink(missing_ok=True)
+            signal_file = prefill_signal_file(stage.spec)
+            if signal_file is not None:
+                signal_file.unlink(missing_ok=True)
         for pump in self.pumps:
             pump.join(timeout=2.0)  # a grandchild may still hold the pipe; never hang on it
 
