@@ -116,6 +116,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="set a one-byte file at PATH while a step with prefill tokens runs, for the encoders "
                         "beside this generator on its GPU (their --yield-to-prefill; epd-launch "
                         "--encoder-yield-ms sets both)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the KV blocks of computed prompts, by content (tokens and images), for later "
+                        "prompts that start the same way, as vLLM's flag (default: on)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no CUDA graphs, as vLLM's flag: decode and mixed steps launch their kernels one by "
                         "one (nothing captured at start-up; slower steps); refuses --vision-graphs")
@@ -164,7 +167,7 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
                           dependent_launch=False if args.no_dependent_launch else None,
                           prefill_pacing_ms=args.prefill_pacing_ms,
                           prefill_pacing_max_hold_ms=args.prefill_pacing_max_hold_ms,
-                          cuda_graphs=not args.enforce_eager)
+                          cuda_graphs=not args.enforce_eager, prefix_caching=args.enable_prefix_caching)
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
     if args.prefill_signal:
         engine.on_prefill = PrefillSignal(args.prefill_signal, writer=True).set

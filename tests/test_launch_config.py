@@ -198,3 +198,19 @@ def test_vllm_flags_whose_meaning_does_not_hold_here_exit_2_in_one_line(flags, n
         cli.parse_args(["--device", "cpu", *flags])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and named in err
+
+
+@pytest.mark.parametrize("text, flags, on", [
+    ("", [], True),   # vLLM's default, and the generator's
+    ("enable-prefix-caching: false\n", ["--no-enable-prefix-caching"], False),
+    ("enable-prefix-caching: true\n", ["--enable-prefix-caching"], True),
+])
+def test_prefix_caching_from_a_config_file_reaches_the_generators(tmp_path, tiny_dir, text, flags, on):
+    path = write(tmp_path, text)
+    assert as_flags(load_config(path)) == flags
+    args = cli.parse_args(["--config", str(path), "--model", str(tiny_dir), "--device", "cpu"])
+    assert cli.settings_of(cli.build_parser(), args).get("enable-prefix-caching", True) is on
+    from stages.generator import parse_args as generator_args
+    specs = plan_stages(cli.build_options(args), HostFacts(gpu_count=0))
+    generator = generator_args(list(next(s for s in specs if s.role == "generator").args))
+    assert generator.enable_prefix_caching is on

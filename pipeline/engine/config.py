@@ -59,6 +59,10 @@ class EngineConfig:
     # --enforce-eager): the same kernels launched one by one, with no
     # capture at start-up and no graph memory; slower steps.
     cuda_graphs: bool = True
+    # Automatic prefix caching (vLLM's --enable-prefix-caching): full KV
+    # blocks of computed prompts kept, by content, for later prompts that
+    # start the same way (engine/prefix_cache.py).
+    prefix_caching: bool = True
 
     def __post_init__(self):
         if self.decode_matmul is not None and self.decode_matmul not in MATMULS:

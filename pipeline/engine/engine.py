@@ -71,7 +71,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_batched_tokens, config.max_num_seqs, config.block_size, num_blocks,
             config.encoder_cache_tokens, config.aggregated,
-            config.local_encode_tokens if config.aggregated else 0))
+            config.local_encode_tokens if config.aggregated else 0, config.prefix_caching))
         # One block more than the scheduler hands out: the null block that
         # padding rows of a fast decode step read and write.
         kv = PagedKVCache(lang.num_layers, num_blocks + 1, config.block_size, lang.kv_heads, lang.head_dim,
@@ -183,8 +183,15 @@ class Engine:
         if embedding.dim() != 2 or embedding.shape[1] != width:
             raise ValueError(f"image embedding {key} has shape {tuple(embedding.shape)}; this model takes "
                              f"[tokens, {width}] rows (is its encoder serving another model?)")
-        if not self._admit(key, embedding):
+        if not self._admit(key, embedding) and not self._passed_by_all(key):
             self.pending_embeddings[key] = (embedding, time.monotonic())
+
+    def _passed_by_all(self, key: str) -> bool:
+        """Requests here read `key`, and each has computed past it (a cached prefix): it is dropped."""
+        if self.scheduler.encoder_cache.is_needed(key):
+            return False
+        requests = (self.scheduler.get_request(rid) for rid in self.live)
+        return any(span.key == key for r in requests if r is not None for span in r.image_spans)
 
     def _admit(self, key: str, embedding: torch.Tensor) -> bool:
         # One that no request needs yet (it beat its request here) waits in
@@ -258,11 +265,13 @@ class Engine:
                 "pending_embeddings": float(len(self.pending_embeddings))}
 
     def counters(self) -> dict[str, int]:
-        """Counters since start: scheduler yields and preemptions, step profile."""
+        """Counters since start: scheduler yields and preemptions, prefix cache tokens, step profile."""
         stats = self.scheduler.stats
+        prefix = self.scheduler.prefix
+        cached = {"prefix_cache_queries": prefix.queries, "prefix_cache_hits": prefix.hits} if prefix else {}
         return {"yields": stats["yields_total"], "preemptions": stats["preemptions_total"],
                 "decode_ahead_steps": self.ahead.steps, "prefill_held_steps": self.pacer.held_steps,
-                **self.profile.counters()}
+                **cached, **self.profile.counters()}
 
     # ------------------------------------------------------------------ step
 

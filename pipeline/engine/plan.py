@@ -16,6 +16,7 @@ class SchedulerConfig:
     encoder_cache_tokens: int
     aggregated: bool = False          # no encoders: the generator runs the vision tower itself
     local_encode_tokens: int = 0      # image tokens encoded locally per step (aggregated only)
+    prefix_caching: bool = False      # computed prompt blocks kept for later prompts (prefix_cache.py)
 
     def __post_init__(self) -> None:
         for name, minimum in (("max_num_batched_tokens", 1), ("max_num_seqs", 1), ("block_size", 1),

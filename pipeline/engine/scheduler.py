@@ -32,10 +32,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pipeline.engine.embedding_room import admit_arrived, keys_read, next_keys
 from pipeline.engine.encoder_cache import EncoderCache
 from pipeline.engine.admission import check_admissible
 from pipeline.engine.kv_blocks import BlockPool, blocks_needed
 from pipeline.engine.plan import Chunk, FinishedRequest, SchedulerConfig, StepPlan
+from pipeline.engine.prefix_cache import PrefixCache, PrefixCachingPool
 from pipeline.engine.request import ImageSpan, Request, RequestStatus, stop_status
 
 __all__ = ["Chunk", "FinishedRequest", "PENDING_TOKEN", "Scheduler", "SchedulerConfig", "StepPlan"]
@@ -63,7 +65,13 @@ class _Draft:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.block_pool = BlockPool(config.num_blocks, config.block_size)
+        # With prefix caching, computed prompt blocks outlive their requests (prefix_cache.py).
+        self.prefix: PrefixCache | None = None
+        if config.prefix_caching:
+            self.block_pool = PrefixCachingPool(config.num_blocks, config.block_size)
+            self.prefix = PrefixCache(self.block_pool)
+        else:
+            self.block_pool = BlockPool(config.num_blocks, config.block_size)
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # priority order: the last is preempted first
@@ -106,27 +114,10 @@ class Scheduler:
         and offer it again after a later step. ValueError if its token count
         differs from a placeholder run of a request that needs it. Call it
         between steps; the keys of a plan not yet updated are never evicted."""
-        cache = self.encoder_cache
-        lengths = {s.item_tokens for rid in cache.users(key) for s in self._requests[rid].image_spans
-                   if s.key == key}
-        if lengths - {num_tokens}:
-            # A reused id for different content: never splice it silently.
-            raise ValueError(f"embedding {key} has {num_tokens} tokens; its requests "
-                             f"{sorted(cache.users(key))} have placeholder runs of {sorted(lengths)}")
-        if cache.admit(key, num_tokens, payload):
-            return True
-        running_next, waiting_next = _next_keys(self.running), _next_keys(self.waiting)
-        if key in running_next:
-            protected, last_resort = running_next | self._in_flight, waiting_next
-        elif key in waiting_next:
-            protected, last_resort = running_next | waiting_next | self._in_flight, set()
-        else:
-            return False
-        evicted = cache.make_room(num_tokens, protected, last_resort)
-        if evicted is None:
-            return False
-        self._refetch += [k for k in evicted if cache.is_needed(k) and k not in self._refetch]
-        return cache.admit(key, num_tokens, payload)
+        admitted, evicted = admit_arrived(self.encoder_cache, self._requests, self.running, self.waiting,
+                                          self._in_flight, key, num_tokens, payload)
+        self._refetch += [k for k in evicted if self.encoder_cache.is_needed(k) and k not in self._refetch]
+        return admitted
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -154,7 +145,7 @@ class Scheduler:
         self._schedule_running(plan, budget, prefill)
         if prefill and not plan.preempted:   # blocks were short for running requests: admit nobody
             self._schedule_waiting(plan, budget)
-        self._in_flight = _keys_read(plan)
+        self._in_flight = keys_read(plan)
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: _Budget, prefill: bool) -> None:
@@ -181,17 +172,27 @@ class Scheduler:
             if budget.tokens == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             request = self.waiting[0]
+            reused = self.prefix.reuse(request) if self.prefix else 0   # tentative until admitted
             draft = self._draft_chunk(request, budget, plan)
             if draft.num_tokens == 0:
+                self._undo_reuse(request)
                 self.waiting.rotate(-1)
                 self._note_yield(request, plan)
                 continue
             if not self._grow_blocks(request, draft.num_tokens):
+                self._undo_reuse(request)
                 return   # no preemption to admit; later arrivals do not jump the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if self.prefix:
+                self.prefix.admitted(request, reused)
+                self._sync_cache_users(request)   # images inside the reused prefix are not read
             self._commit(request, draft, budget, plan)
+
+    def _undo_reuse(self, request: Request) -> None:
+        if self.prefix and request.num_computed_tokens:
+            self.prefix.undo(request)
 
     def _draft_chunk(self, request: Request, budget: _Budget, plan: StepPlan) -> _Draft:
         """The longest next chunk within the token budget that reads only local
@@ -223,9 +224,9 @@ class Scheduler:
         # Keep what this chunk reads up to the end of `span` (the chunk then
         # stops there); the request's later images may go.
         protected = {s.key for s in request.spans_in(request.num_computed_tokens, span.end)}
-        protected |= _keys_read(plan) | _next_keys(self.running)
+        protected |= keys_read(plan) | next_keys(self.running)
         if request.status is RequestStatus.WAITING:
-            protected |= _next_keys(self.waiting)
+            protected |= next_keys(self.waiting)
         if self.encoder_cache.free_tokens + self.encoder_cache.evictable_tokens(protected) < total:
             return False
         draft.protected = protected
@@ -233,7 +234,7 @@ class Scheduler:
 
     def _commit(self, request: Request, draft: _Draft, budget: _Budget, plan: StepPlan) -> None:
         if draft.protected is not None and self.encoder_cache.make_room(
-                draft.encode_tokens, draft.protected, _next_keys(self.waiting)) is None:
+                draft.encode_tokens, draft.protected, next_keys(self.waiting)) is None:
             raise RuntimeError("encoder cache could not make the room the draft counted on")
         for span in draft.encodes:
             # Reserve the space now; the runner fills it before the forward.
@@ -274,7 +275,9 @@ class Scheduler:
         consumed_before = request.num_computed_tokens
         self.running.remove(request)
         self._free_blocks(request)
-        request.num_computed_tokens = 0   # recompute: the KV is gone
+        request.num_computed_tokens = 0   # recompute: the KV is gone (bar prefix-cached blocks, found again)
+        if self.prefix:
+            self.prefix.preempted(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -318,6 +321,8 @@ class Scheduler:
                 raise RuntimeError(f"stale plan for {chunk.request_id}: chunk starts at {chunk.start}, "
                                    f"{request.num_computed_tokens} tokens computed")
             request.num_computed_tokens += chunk.num_tokens
+            if self.prefix and chunk.start < request.num_prompt_tokens:
+                self.prefix.computed(request)
             if chunk.sample:
                 request.output_token_ids.append(PENDING_TOKEN)
             self._sync_cache_users(request)
@@ -364,6 +369,8 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self._free_blocks(request)
+        if self.prefix:
+            self.prefix.forget(request)
         request.status = status
         request.finish_reason = status.finish_reason
         self._sync_cache_users(request)
@@ -390,10 +397,3 @@ class Scheduler:
         plan.yielded.append(request.request_id)
         self.stats["yields_total"] += 1
 
-
-def _next_keys(requests) -> set[str]:
-    return {key for r in requests if (key := r.next_image_key()) is not None}
-
-
-def _keys_read(plan: StepPlan) -> set[str]:
-    return {span.key for chunk in plan.chunks for span in chunk.image_spans_in_chunk}

@@ -158,6 +158,8 @@ def _add_engine_and_api_flags(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs in the generators: nothing captured at start-up, slower steps "
                         "(encoders replay vision graphs only when given --vision-graphs)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        help="reuse the KV of prompts' common starts, images included (default: on)")
     engine.add_argument("--max-model-len", type=int, metavar="N",
                         help="prompt plus output tokens a request may have (the proxy refuses more, and a generator "
                         "whose KV cache cannot hold one such request does not start; default: the checkpoint's)")
@@ -231,6 +233,8 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
             out.append(("generator", f"--{name.replace('_', '-')}={getattr(args, name)}"))
     if args.enforce_eager:
         out.append(("generator", "--enforce-eager"))
+    if args.enable_prefix_caching is not None:
+        out.append(("generator", f"--{'' if args.enable_prefix_caching else 'no-'}enable-prefix-caching"))
     for name in ("log_level", "log_format"):
         if getattr(args, name) is not None:
             out += [(role, f"--{name.replace('_', '-')}={getattr(args, name)}") for role in ROLES]

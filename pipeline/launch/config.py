@@ -66,6 +66,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enforce_eager: bool | None = None
+    enable_prefix_caching: bool | None = None
     limit_mm_per_prompt: dict[str, int] | None = None
     prefill_pacing_ms: float | None = None
     prefill_pacing_max_hold_ms: float | None = None
@@ -116,6 +117,9 @@ def explain(message: str) -> str:
     return message
 
 
+NEGATABLE = ("enable_prefix_caching",)
+
+
 def as_flags(config: LaunchFile) -> list[str]:
     """The file's settings as epd-launch flags, in the schema's order."""
     flags: list[str] = []
@@ -124,7 +128,9 @@ def as_flags(config: LaunchFile) -> list[str]:
         if value is None:
             continue
         flag = "--" + field.replace("_", "-")
-        if isinstance(value, bool):   # a switch: the flag alone, or nothing
+        if field in NEGATABLE:   # on by default: false is the --no- flag
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, bool):   # a switch: the flag alone, or nothing
             flags += [flag] if value else []
         elif field == "stage_arg":
             flags += [f"--stage-arg={item}" for item in value]

@@ -101,6 +101,8 @@ def engine_series(stats: list, model_name: str):
     waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be processed", labels=labels)
     usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (1 means 100 percent)", labels=labels)
     preempted = CounterMetricFamily("vllm:num_preemptions", "Preemptions", labels=labels)
+    queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens", labels=labels)
+    hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens", labels=labels)
     generators = sorted((s for s in stats if s.stage == "generator"), key=lambda s: s.instance)
     for engine, s in enumerate(generators):
         key = [model_name, str(engine)]
@@ -109,4 +111,6 @@ def engine_series(stats: list, model_name: str):
         total = s.gauges.get("kv_blocks_total", 0)
         usage.add_metric(key, s.gauges.get("kv_blocks_used", 0) / total if total else 0.0)
         preempted.add_metric(key, s.counters.get("preemptions", 0))
-    yield from (running, waiting, usage, preempted)
+        queries.add_metric(key, s.counters.get("prefix_cache_queries", 0))
+        hits.add_metric(key, s.counters.get("prefix_cache_hits", 0))
+    yield from (running, waiting, usage, preempted, queries, hits)
