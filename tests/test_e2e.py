@@ -126,7 +126,11 @@ def test_metrics_show_where_stage_time_goes(epd):
     chat(epd, [image_bytes(random_image(72, 96, seed=5151))], "where does time go", max_tokens=6, ignore_eos=True)
     after = until(shown, "the stats to show the request's work", deadline_s=10)
     assert after["forwards"] - before["forwards"] == 1 and after["decodes"] - before["decodes"] == 1
-    assert after["steps"] - before["steps"] == 5     # 6 tokens: the first from the prefill, 5 decode steps
+    # 6 tokens: the first from the prefill, 5 decode steps. The prompt's start
+    # is cached (prefix caching): where one token of it is left before the
+    # image, whose embedding comes later, that one-token chunk is counted as
+    # a decode step too (the profile's kinds go by tokens per request).
+    assert after["steps"] - before["steps"] in (5, 6)
     assert after["step_seconds"] > before["step_seconds"] and after["forward_seconds"] > before["forward_seconds"]
 
 

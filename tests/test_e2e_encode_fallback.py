@@ -50,9 +50,10 @@ def small_cache(tmp_path_factory, tiny_dir):
     """Three encoders, and a generator whose encoder cache holds one image of
     16 tokens. The proxy's down timeout (60 s) outlasts the test: it never
     sends a dead encoder's jobs on by itself, so only the generator's asking
-    again can bring the lost embedding back."""
+    again can bring the lost embedding back. No prefix caching: the tests
+    send a prompt again, and its images must be read again."""
     yield from serving(Stack(tmp_path_factory.mktemp("refetch"), tiny_dir, encoders=3, generators=1,
-                             generator_args=("--encoder-cache-tokens", "24"),
+                             generator_args=("--encoder-cache-tokens", "24", "--no-enable-prefix-caching"),
                              proxy_args=("--stage-timeout", "60")))
 
 
@@ -106,8 +107,9 @@ def test_an_embedding_lost_with_its_dead_encoder_is_encoded_again(small_cache, t
 @pytest.fixture
 def fallback(tmp_path_factory, tiny_dir):
     flag = ("--encode-fallback", "local")
+    # No prefix caching: the same prompts are sent again, and their images must be encoded again.
     yield from serving(Stack(tmp_path_factory.mktemp("fallback"), tiny_dir, encoders=3, generators=1,
-                             generator_args=flag, proxy_args=flag))
+                             generator_args=(*flag, "--no-enable-prefix-caching"), proxy_args=flag))
 
 
 def test_with_every_encoder_dead_the_generator_encodes_and_no_request_fails(fallback):
