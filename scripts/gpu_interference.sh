@@ -19,7 +19,8 @@
 # -smN caps the encoders at N% of the SMs (--encoder-sm-percent N); -yieldN holds
 # each encoder forward (one image) up to N ms while the generator beside it
 # prefills (--encoder-yield-ms N); -noprefix turns prefix caching off
-# (--no-enable-prefix-caching; on by default since session 31).
+# (--no-enable-prefix-caching; on by default since session 31); -sharedN
+# starts every prompt with the same N words (epd-bench --random-prefix-len N).
 # MIXED_SEARCH=STEPS:LOW:HIGH first searches aggregated's sustained maximum for
 # the mixed load (epd-bench's paced search, as the other workloads since
 # session 15), runs aggregated's interference run at it, and sets the rate of
@@ -68,6 +69,7 @@ for run in $runs; do
   [[ $run =~ -sm([0-9]+) ]] && args+=("--launch-arg=--encoder-sm-percent=${BASH_REMATCH[1]}")
   [[ $run =~ -yield([0-9.]+) ]] && args+=("--launch-arg=--encoder-yield-ms=${BASH_REMATCH[1]}")
   [[ $run == *-noprefix* ]] && args+=("--launch-arg=--no-enable-prefix-caching")
+  [[ $run =~ -shared([0-9]+) ]] && args+=("--bench-arg=--random-prefix-len=${BASH_REMATCH[1]}")
   [[ $run =~ -hold([0-9.]+) ]] && args+=("--launch-arg=--stage-arg=generator=--prefill-pacing-max-hold-ms=${BASH_REMATCH[1]}")
   timeout 200 python3 scripts/gpu_sustained.py "${args[@]}" --out "$R/$name" "${tiny[@]}" "${timing[@]}" \
     --interference-rate "$rate"

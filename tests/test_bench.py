@@ -124,6 +124,21 @@ def test_text_only_fraction_mixes_the_load_and_splits_the_results():
         small_dataset(text_only_fraction=1.5)
 
 
+def test_a_random_prefix_starts_every_prompt_and_leaves_the_rest_as_it_was():
+    plain = sample_requests(small_dataset(num_prompts=6, text_only_fraction=0.5), np.random.default_rng(3))
+    shared = sample_requests(small_dataset(num_prompts=6, text_only_fraction=0.5, prefix_len=30),
+                             np.random.default_rng(3))
+    prefix = shared[0].prompt.split()[:30]
+    assert len(prefix) == 30 and all(r.prompt.split()[:30] == prefix for r in shared)
+    assert [r.prompt_len for r in shared] == [r.prompt_len + 30 for r in plain]
+    assert [r.prompt.split()[30:] for r in shared] == [r.prompt.split() for r in plain]   # the rest as it was
+    assert [r.images for r in shared] == [r.images for r in plain]
+    other_seed = sample_requests(small_dataset(num_prompts=2, prefix_len=30), np.random.default_rng(4))
+    assert other_seed[0].prompt.split()[:30] == prefix   # a system prompt every run shares
+    with pytest.raises(ValueError, match="random-prefix-len"):
+        small_dataset(prefix_len=-1)
+
+
 # ---- workload and arrivals -----------------------------------------------------------
 
 def test_poisson_and_gamma_arrivals():

@@ -62,6 +62,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of gaps; 1 = Poisson")
     p.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     p.add_argument("--random-input-len", type=int, default=1024, help="text length in words (~tokens)")
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="words every prompt starts with, the same for all, before its random ones (~tokens)")
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--random-mm-base-items-per-request", type=int, default=1)
@@ -115,7 +117,8 @@ def build_dataset(args: argparse.Namespace) -> RandomMMConfig:
     return RandomMMConfig(
         num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
         args.random_mm_base_items_per_request, args.random_mm_num_mm_items_range_ratio,
-        parse_bucket_config(args.random_mm_bucket_config), args.image_reuse, args.text_only_fraction)
+        parse_bucket_config(args.random_mm_bucket_config), args.image_reuse, args.text_only_fraction,
+        args.random_prefix_len)
 
 
 def build_search(args: argparse.Namespace, slos: dict[str, float]) -> SearchSettings | None:

@@ -56,11 +56,13 @@ class RandomMMConfig:
     buckets: dict[Bucket, float]
     image_reuse: float
     text_only_fraction: float = 0.0   # requests sent without images (mixed text and image load)
+    prefix_len: int = 0               # words every prompt starts with, the same for all (vLLM's --random-prefix-len)
 
     def __post_init__(self) -> None:
         checks = [
             (self.num_prompts >= 1, "--num-prompts must be >= 1"),
             (self.input_len >= 1, "--random-input-len must be >= 1"),
+            (self.prefix_len >= 0, "--random-prefix-len must be >= 0"),
             (self.output_len >= 1, "--random-output-len must be >= 1"),
             (0 <= self.range_ratio < 1, "--random-range-ratio must be in [0, 1)"),
             (self.base_items >= 0, "--random-mm-base-items-per-request must be >= 0"),
@@ -194,6 +196,10 @@ class _ImageSource:
 
 def sample_requests(cfg: RandomMMConfig, rng: np.random.Generator) -> list[BenchRequest]:
     images = _ImageSource(cfg, rng)
+    # From a stream of its own: the run's draws stay as they are without it, and
+    # runs of any seed share it, as a deployment's system prompt is shared.
+    drawn_prefix = np.random.default_rng(cfg.prefix_len).choice(len(WORDS), size=cfg.prefix_len)
+    prefix = "".join(f"{WORDS[i]} " for i in drawn_prefix)
     requests = []
     for index in range(cfg.num_prompts):
         prompt_len = _uniform_int(rng, cfg.input_len, cfg.range_ratio, 1)
@@ -203,9 +209,9 @@ def sample_requests(cfg: RandomMMConfig, rng: np.random.Generator) -> list[Bench
         if cfg.text_only_fraction and rng.random() < cfg.text_only_fraction:
             num_images = 0
         words = rng.choice(len(WORDS), size=prompt_len)
-        prompt = " ".join(WORDS[i] for i in words)
+        prompt = prefix + " ".join(WORDS[i] for i in words)
         drawn = tuple(images.draw(index, item) for item in range(num_images))
-        requests.append(BenchRequest(prompt, prompt_len, output_len, drawn))
+        requests.append(BenchRequest(prompt, cfg.prefix_len + prompt_len, output_len, drawn))
     return requests
 
 
