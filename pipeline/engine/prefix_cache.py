@@ -8,12 +8,12 @@ names mean equal tokens, equal media and equal positions from the start of
 the prompt, and equal KV in every layer.
 
 `PrefixCachingPool` has BlockPool's interface (kv_blocks.py) and keeps
-blocks that carry a name when no request holds them any more: they stay
-free to allocate (least recently freed first, a prompt's last blocks before
-its first) until then they can be taken again by a request whose prompt
-starts the same way. `PrefixCache` is the scheduler's side: a new request's
-longest named prefix, the names of its blocks as they are computed, and the
-hit counters behind vLLM's prefix cache metrics.
+the names of blocks no request holds any more. Such a block counts as free;
+until it is allocated again (unnamed blocks first, then the least recently
+freed, a prompt's last blocks before its first), a request whose prompt
+starts the same way can take it back. `PrefixCache` is the scheduler's
+side: a new request's longest named prefix, the names of its blocks as they
+are computed, and the hit counters behind vLLM's prefix cache metrics.
 """
 
 from __future__ import annotations
