@@ -56,6 +56,26 @@ from pipeline.models.hub_cache import model_dir_arg
 
 log = logging.getLogger("epd.generator")
 
+
+def add_fast_path_flags(p: argparse.ArgumentParser) -> None:
+    """How the engine's steps run on CUDA: the fused kernels, graphs and decode ahead (each on by default)."""
+    p.add_argument("--decode-matmul", choices=("cublas", "triton"), default=None,
+                   help="CUDA: decode steps' projections through cuBLAS or the small-batch Triton matmul "
+                        "(default: triton wherever the fused decode kernels run)")
+    p.add_argument("--no-decode-ahead", action="store_true",
+                   help="CUDA: read each decode step's tokens before planning the next, instead of planning "
+                        "and launching it while the last one's tokens are read (the default on the fast path)")
+    p.add_argument("--no-dependent-launch", action="store_true",
+                   help="CUDA: launch the fused kernels plainly, not with programmatic dependent launch "
+                        "(the default on GPUs that have it, sm_90 and later)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: no CUDA graphs, as vLLM's flag: decode and mixed steps launch their kernels one by "
+                        "one (nothing captured at start-up; slower steps); refuses --vision-graphs")
+    p.add_argument("--eager-mixed", action="store_true",
+                   help="CUDA: run mixed prefill/decode steps eagerly, not through the fused kernels and "
+                        "CUDA graphs (the default wherever decode runs them)")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = OneLineParser(prog="stages.generator", description=__doc__.splitlines()[0])
     p.add_argument("--address", required=True, help="inbox address to bind (ipc:// or tcp://)")
@@ -96,15 +116,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--media-decode-workers", type=int, default=4,
                    help="aggregated mode: requests whose media are decoded at once (a clip takes a worker "
                         "hundreds of ms, and one worker made video requests reach the engine one by one)")
-    p.add_argument("--decode-matmul", choices=("cublas", "triton"), default=None,
-                   help="CUDA: decode steps' projections through cuBLAS or the small-batch Triton matmul "
-                        "(default: triton wherever the fused decode kernels run)")
-    p.add_argument("--no-decode-ahead", action="store_true",
-                   help="CUDA: read each decode step's tokens before planning the next, instead of planning "
-                        "and launching it while the last one's tokens are read (the default on the fast path)")
-    p.add_argument("--no-dependent-launch", action="store_true",
-                   help="CUDA: launch the fused kernels plainly, not with programmatic dependent launch "
-                        "(the default on GPUs that have it, sm_90 and later)")
     add_vision_graph_flags(p, "aggregated mode and fallback encodes, ")
     p.add_argument("--prefill-pacing-ms", type=float, default=None, metavar="MS",
                    help="hold prefill chunks while decoding requests' mean time between tokens (over the last "
@@ -119,12 +130,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="keep the KV blocks of computed prompts, by content (tokens and images), for later "
                         "prompts that start the same way, as vLLM's flag (default: on)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: no CUDA graphs, as vLLM's flag: decode and mixed steps launch their kernels one by "
-                        "one (nothing captured at start-up; slower steps); refuses --vision-graphs")
-    p.add_argument("--eager-mixed", action="store_true",
-                   help="CUDA: run mixed prefill/decode steps eagerly, not through the fused kernels and "
-                        "CUDA graphs (the default wherever decode runs them)")
+    add_fast_path_flags(p)
     add_log_flags(p)
     args = p.parse_args(argv)
     for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len", "encoder_cache_tokens",

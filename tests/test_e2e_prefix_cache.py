@@ -4,11 +4,10 @@ cached blocks, counted in vLLM's prefix cache series on /metrics."""
 
 from __future__ import annotations
 
-import time
-
 from conftest import image_bytes, random_image
 from e2e_helpers import chat
 from stack import Stack
+from waiting import until
 
 
 def test_a_request_seen_before_is_answered_the_same_from_cached_blocks(tmp_path, tiny_dir):
@@ -18,16 +17,15 @@ def test_a_request_seen_before_is_answered_the_same_from_cached_blocks(tmp_path,
         image = [image_bytes(random_image(96, 80, seed=41))]
         question = "describe the picture in a few words, with colours and shapes"
         first, _, usage = chat(stack, image, question, max_tokens=8, ignore_eos=True)
-        deadline = time.monotonic() + 15   # the proxy polls the stages' stats
-        while stack.total("vllm:prefix_cache_queries_total") < usage.prompt_tokens:
-            assert time.monotonic() < deadline, "the first request's prompt never showed as queried"
-            time.sleep(0.1)
+
+        def queried() -> float:   # the proxy polls the stages' stats
+            return stack.total("vllm:prefix_cache_queries_total")
+
+        until(lambda: queried() >= usage.prompt_tokens, "the first request's prompt to show as queried", 15)
         assert stack.total("vllm:prefix_cache_hits_total") == 0
         again, _, _ = chat(stack, image, question, max_tokens=8, ignore_eos=True)
         assert again == first
-        while stack.total("vllm:prefix_cache_queries_total") < 2 * usage.prompt_tokens:
-            assert time.monotonic() < deadline + 15, "the second request's prompt never showed as queried"
-            time.sleep(0.1)
+        until(lambda: queried() >= 2 * usage.prompt_tokens, "the second request's prompt to show as queried", 15)
         hits = stack.total("vllm:prefix_cache_hits_total")
         assert usage.prompt_tokens - 16 <= hits < usage.prompt_tokens   # all but the last, partial block
     finally:
