@@ -5,7 +5,6 @@ the engine's signal around its prefill steps, and the launcher's plan."""
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 from conftest import image_bytes, random_image
 from e2e_helpers import chat
 from stack import Stack
+from waiting import until
 from pipeline import protocol
 from pipeline.arena.store import ArenaStore
 from pipeline.encoder.service import EncoderService, EncoderSettings
@@ -229,10 +229,8 @@ def test_a_stack_with_the_signal_serves_every_request_and_leaves_the_byte_clear(
             futures = [pool.submit(chat, stack, [image_bytes(random_image(64, 48 + 8 * i, seed=700 + i))],
                                    f"image {i}", max_tokens=5, ignore_eos=True) for i in range(6)]
             assert [f.result(timeout=120)[2].completion_tokens for f in futures] == [5] * 6
-        deadline = time.monotonic() + 15   # stats are polled
-        while stack.total("epd_encoder_images_total", phase="forward") < 6:
-            assert time.monotonic() < deadline, "the encoder's forwards never showed on /metrics"
-            time.sleep(0.1)
+        until(lambda: stack.total("epd_encoder_images_total", phase="forward") >= 6,   # stats are polled
+              "the encoder's forwards to show on /metrics", 15)
         assert stack.total("epd_encoder_images_total", phase="forward") == 6
         assert any('phase="held"' in key for key in stack.metrics() if key.startswith("epd_encoder_busy_seconds_total"))
         assert not PrefillSignal(path).is_set()
