@@ -157,8 +157,7 @@ class PrefixCache:
     def __init__(self, pool: PrefixCachingPool) -> None:
         self.pool = pool
         self.block_size = pool.block_size
-        self._names: dict[str, list[bytes]] = {}    # request id -> its prompt's block names so far
-        self._named: dict[str, int] = {}            # request id -> how many of its blocks are named
+        self._names: dict[str, list[bytes]] = {}    # request id -> its prompt's block names
         self.queries = 0
         self.hits = 0
 
@@ -175,7 +174,6 @@ class PrefixCache:
         if blocks:
             request.block_ids.extend(blocks)
             request.num_computed_tokens = len(blocks) * self.block_size
-            self._named[request.request_id] = len(blocks)
         return request.num_computed_tokens
 
     def undo(self, request: Request) -> None:
@@ -184,31 +182,25 @@ class PrefixCache:
             self.pool.free(request.block_ids.tolist())
             request.block_ids.clear()
         request.num_computed_tokens = 0
-        self._named.pop(request.request_id, None)
 
     def admitted(self, request: Request, reused: int) -> None:
         self.queries += request.num_prompt_tokens
         self.hits += reused
 
-    def computed(self, request: Request) -> None:
-        """Name the request's prompt blocks that are now full and computed."""
+    def computed(self, request: Request, chunk_start: int) -> None:
+        """A chunk from `chunk_start` was computed: name the prompt blocks it
+        filled (those before it were named when they filled, or reused named)."""
         done = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
-        named = self._named.get(request.request_id, 0)
-        if done <= named:
+        first = chunk_start // self.block_size   # may have filled before; naming it again changes nothing
+        if done <= first:
             return
         names = self._names_of(request)
         blocks = request.block_ids.view()
-        for i in range(named, done):
+        for i in range(first, done):
             self.pool.name(int(blocks[i]), names[i])
-        self._named[request.request_id] = done
-
-    def preempted(self, request: Request) -> None:
-        """Its blocks are gone (to the pool, named ones kept); it starts over."""
-        self._named.pop(request.request_id, None)
 
     def forget(self, request: Request) -> None:
         self._names.pop(request.request_id, None)
-        self._named.pop(request.request_id, None)
 
     def _names_of(self, request: Request) -> list[bytes]:
         names = self._names.get(request.request_id)

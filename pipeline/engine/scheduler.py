@@ -276,8 +276,6 @@ class Scheduler:
         self.running.remove(request)
         self._free_blocks(request)
         request.num_computed_tokens = 0   # recompute: the KV is gone (bar prefix-cached blocks, found again)
-        if self.prefix:
-            self.prefix.preempted(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -322,7 +320,7 @@ class Scheduler:
                                    f"{request.num_computed_tokens} tokens computed")
             request.num_computed_tokens += chunk.num_tokens
             if self.prefix and chunk.start < request.num_prompt_tokens:
-                self.prefix.computed(request)
+                self.prefix.computed(request, chunk.start)
             if chunk.sample:
                 request.output_token_ids.append(PENDING_TOKEN)
             self._sync_cache_users(request)
