@@ -11,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 from PIL import Image
 
 from bench_fakes import NUM_CHUNKS, endpoint_thread, small_dataset, sweep_against_fake
+from pipeline.bench.client import ProtocolError, _read_stream
 from pipeline.bench.dataset import (POOL_SIZE_PER_BUCKET, arrival_offsets, arrivals_within, parse_bucket_config,
                                     sample_requests)
 from pipeline.bench.metrics import RequestRecord, parse_goodput, records_from_detailed, summarize
@@ -91,6 +93,34 @@ def test_client_timing_against_synthetic_stream():
     url = body["messages"][0]["content"][1]["image_url"]["url"]
     image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
     assert image.format == "JPEG" and image.size == (48, 32)
+
+
+class _Lines:
+    """A response whose body is the given SSE lines."""
+
+    def __init__(self, *chunks):
+        self.content = self._lines([f"data: {json.dumps(c)}\n".encode() for c in chunks] + [b"data: [DONE]\n"])
+
+    @staticmethod
+    async def _lines(lines):
+        for line in lines:
+            yield line
+
+
+def _choice_chunk(delta, finish_reason=None):
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+
+def test_an_answer_of_only_special_tokens_is_a_success_and_a_stream_without_an_end_is_not():
+    usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 16}}
+    empty = _Lines(_choice_chunk({"role": "assistant", "content": ""}), _choice_chunk({}, "length"), usage)
+    record = RequestRecord(success=False)
+    asyncio.run(_read_stream(empty, record, time.perf_counter()))
+    assert record.success and record.completion_tokens == 16 and record.itl == []
+    assert 0 < record.ttft <= record.e2el
+    cut = _Lines(_choice_chunk({"role": "assistant", "content": ""}), usage)
+    with pytest.raises(ProtocolError, match="without any content"):
+        asyncio.run(_read_stream(cut, RequestRecord(success=False), time.perf_counter()))
 
 
 def test_goodput_failures_and_sweep():

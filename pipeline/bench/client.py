@@ -98,6 +98,7 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, model: str
 
 async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, start: float) -> None:
     last_token_at: float | None = None
+    finished_at: float | None = None
     usage = None
     async for raw in resp.content:
         line = raw.decode("utf-8").strip()
@@ -114,6 +115,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, star
             raise ProtocolError(f"server error in stream: {json.dumps(chunk['error'])[:200]}")
         if chunk.get("usage"):
             usage = chunk["usage"]
+        if finished_at is None and _finish_reason(chunk):
+            finished_at = now
         if _chunk_text(chunk):
             if last_token_at is None:
                 record.ttft = now - start
@@ -122,7 +125,13 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, star
             last_token_at = now
     record.e2el = time.perf_counter() - start
     if last_token_at is None:
-        raise ProtocolError("stream ended without any content")
+        if finished_at is None:
+            raise ProtocolError("stream ended without any content")
+        # Every token decoded to no text (special tokens, skipped as vLLM
+        # skips them; a tiny random model does this): a whole answer that is
+        # empty, which vLLM's benchmark counts as a success too. Nothing was
+        # visible before the finish chunk, so that is its first token.
+        record.ttft = finished_at - start
     if usage is None:
         # TPOT and throughput need real token counts; chunk counts would be a
         # silent, wrong fallback (a chunk may carry several tokens).
@@ -132,6 +141,11 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, star
     record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
     record.completion_tokens = usage["completion_tokens"]
     record.success = True
+
+
+def _finish_reason(chunk: dict) -> str:
+    choices = chunk.get("choices") or []
+    return (choices[0].get("finish_reason") or "") if choices else ""
 
 
 def _chunk_text(chunk: dict) -> str:
