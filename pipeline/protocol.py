@@ -249,6 +249,8 @@ class TokenDelta(_Msg, tag="delta"):
     stop_reason: str | int | None = None
     # On the last delta: seconds queued, in prefill, in decode at its generator (engine/request_phases.py).
     phases: tuple[float, ...] = ()
+    # On the last delta: prompt tokens whose KV came from the prefix cache (usage's cached_tokens).
+    cached_tokens: int = 0
 
 
 class AbortRequest(_Msg, tag="abort"):

@@ -83,6 +83,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "one that takes tools for a checkpoint whose own does not")
     p.add_argument("--max-model-len", type=int, metavar="N",
                    help="prompt plus output tokens a request may have (default, and at most: the checkpoint's)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage carries prompt_tokens_details.cached_tokens: the prompt's tokens whose KV the "
+                   "prefix cache held")
     p.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight before 503")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds the requests in flight get to finish; new connections are "
@@ -161,7 +164,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
                          args.media_fetch_timeout, tuple(d.lower() for d in args.allowed_media_domains))
     access = AccessPolicy(args.api_key or None, args.api_key_all_routes, args.allowed_origins,
                           args.allowed_methods, args.allowed_headers, args.allow_credentials)
-    return ProxyApp(dispatcher, model, policy, args.drain_timeout, access).build()
+    return ProxyApp(dispatcher, model, policy, args.drain_timeout, access,
+                    prompt_tokens_details=args.enable_prompt_tokens_details).build()
 
 
 def main(argv: list[str] | None = None) -> int:

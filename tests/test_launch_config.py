@@ -154,7 +154,7 @@ def test_a_file_of_every_key_round_trips():
 
 VLLM_LINE = ["--trust-remote-code", "-tp", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
              "--generation-config", "vllm", "--allowed-local-media-path", "/data/media",
-             "--allowed-media-domains", "a.example", "b.example"]
+             "--enable-prompt-tokens-details", "--allowed-media-domains", "a.example", "b.example"]
 
 
 def proxy_of(args):
@@ -168,7 +168,8 @@ def test_a_vllm_serve_command_line_carries_over(tiny_dir):
     assert args.model == tiny_dir and args.trust_remote_code and args.tensor_parallel_size == 1
     proxy = proxy_of(args)
     assert proxy.generation_config == "vllm" and [str(p) for p in proxy.allow_file_dir] == ["/data/media"]
-    assert proxy.allowed_media_domains == ["a.example", "b.example"]
+    assert proxy.allowed_media_domains == ["a.example", "b.example"] and proxy.enable_prompt_tokens_details
+    assert not proxy_of(cli.parse_args([str(tiny_dir), "--device", "cpu"])).enable_prompt_tokens_details
 
 
 def test_the_positional_model_overrides_the_files_model(tmp_path, tiny_dir):

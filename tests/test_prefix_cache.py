@@ -21,11 +21,13 @@ def cached_scheduler(**overrides):
     return make_scheduler(prefix_caching=True, **overrides)
 
 
-def run_to_end(s, limit: int = 100) -> None:
+def run_to_end(s, limit: int = 100) -> list:
+    """Steps until every request is done; what finished meanwhile."""
+    finished = []
     for _ in range(limit):
         if not s.has_unfinished():
-            return
-        step(s)
+            return finished
+        finished += step(s)[1]
     raise AssertionError("requests did not finish")
 
 
@@ -102,7 +104,9 @@ def test_a_prompt_seen_before_starts_after_its_cached_blocks_and_counts_as_hits(
     plan, _ = step(s)
     assert chunk_map(plan)["b"] == (8, 4)   # blocks [0, 8) reused; a's third block was partial
     assert s.prefix.queries == 22 and s.prefix.hits == 8
-    run_to_end(s)
+    assert s.get_request("b").num_cached_tokens == 8
+    (finished,) = run_to_end(s)
+    assert finished.request_id == "b" and finished.num_cached_tokens == 8
     # A whole prompt cached: its last block is computed again, for the logits of its last token.
     s.add_request(request("c", range(100, 108)))
     plan, _ = step(s)
@@ -155,6 +159,7 @@ def test_a_preempted_request_finds_its_prompt_blocks_again():
         plan, _ = step(s)
     # Its first prompt block reused: a's growth, with no unnamed block left, took the second.
     assert chunk_map(plan)["b"][0] == 4
+    assert s.get_request("b").num_cached_tokens == 0   # what its first admission found, as vLLM counts
     run_to_end(s)
     assert s.block_pool.num_used == 0
 

@@ -8,7 +8,9 @@ import base64
 import pytest
 
 from pipeline.proxy.api_types import ApiError, parse_body, stop_strings
+from pipeline import protocol
 from pipeline.proxy.media_fetch import FetchPolicy, fetch_image
+from pipeline.proxy.responses import Usage, usage_of
 from pipeline.proxy.routing import encoder_order, least_loaded
 
 
@@ -107,3 +109,18 @@ def test_one_failed_fetch_cancels_its_siblings(monkeypatch):
         return list(cancelled)   # before asyncio.run cancels what is left
 
     assert run(scenario()) == ["slow"]
+
+
+def _last(prompt: int, completion: int, cached: int) -> protocol.TokenDelta:
+    return protocol.TokenDelta("r", (), "", True, "length", prompt, completion, cached_tokens=cached)
+
+
+def test_usage_names_cached_tokens_only_when_asked_and_counts_each_prompt_once():
+    assert usage_of(_last(10, 3, 8)) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+    assert usage_of(_last(10, 3, 8), details=True)["prompt_tokens_details"] == {"cached_tokens": 8}
+    # Two prompts with two choices each (choice k * n + i): each prompt's first counts its prompt.
+    usage = Usage(details=True)
+    for index, last in enumerate([_last(10, 3, 8), _last(10, 4, 10), _last(6, 5, 0), _last(6, 1, 6)]):
+        usage.add(last, counts_prompt=index % 2 == 0)
+    assert usage.body() == {"prompt_tokens": 16, "completion_tokens": 13, "total_tokens": 29,
+                            "prompt_tokens_details": {"cached_tokens": 8}}

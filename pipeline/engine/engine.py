@@ -396,4 +396,5 @@ class Engine:
         stop_reason = (token if token in live.stop_token_ids else None) if stop_token else live.text.stop_string
         return RequestOutput(request_id, (token,), delta, True, reason,
                              finished.num_prompt_tokens, len(finished.output_token_ids), logprobs=chosen,
-                             phases=live.phases.durations(time.monotonic()), stop_reason=stop_reason)
+                             phases=live.phases.durations(time.monotonic()), stop_reason=stop_reason,
+                             num_cached_tokens=finished.num_cached_tokens)

@@ -27,6 +27,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    num_cached_tokens: int = 0   # on the last: prompt tokens the prefix cache held
     logprobs: tuple = ()   # engine/logprobs.py's TokenLogprobs per new token, when asked for
     stop_reason: str | int | None = None   # on the last, as vLLM: the stop string or stop token id that ended it
     phases: tuple[float, ...] = ()   # on the last: (queue, prefill, decode) seconds (engine/request_phases.py)

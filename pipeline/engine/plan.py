@@ -68,3 +68,4 @@ class FinishedRequest:
     output_token_ids: tuple[int, ...]
     num_prompt_tokens: int
     num_preemptions: int
+    num_cached_tokens: int = 0

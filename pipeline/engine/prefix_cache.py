@@ -186,6 +186,8 @@ class PrefixCache:
     def admitted(self, request: Request, reused: int) -> None:
         self.queries += request.num_prompt_tokens
         self.hits += reused
+        if not request.num_preemptions:   # as vLLM's num_cached_tokens: what its first admission found
+            request.num_cached_tokens = reused
 
     def computed(self, request: Request, chunk_start: int) -> None:
         """A chunk from `chunk_start` was computed: name the prompt blocks it

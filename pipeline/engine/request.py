@@ -85,6 +85,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0        # prompt tokens taken from the prefix cache when first admitted (vLLM's)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

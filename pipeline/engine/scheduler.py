@@ -375,7 +375,7 @@ class Scheduler:
         del self._requests[request.request_id]
         return FinishedRequest(request.request_id, status, status.finish_reason,
                                tuple(request.output_token_ids), request.num_prompt_tokens,
-                               request.num_preemptions)
+                               request.num_preemptions, request.num_cached_tokens)
 
     def _sync_cache_users(self, request: Request) -> None:
         """Make the request a user of exactly the keys it still has to read."""

@@ -231,8 +231,9 @@ class Dispatcher:
         flight.token_ids += delta.token_ids
         flight.text_sent += len(delta.text)
         if delta.finished and flight.resumed_from:
+            prompt_tokens = delta.prompt_tokens - flight.resumed_from
             delta = msgspec.structs.replace(
-                delta, prompt_tokens=delta.prompt_tokens - flight.resumed_from,
+                delta, prompt_tokens=prompt_tokens, cached_tokens=min(delta.cached_tokens, prompt_tokens),
                 completion_tokens=delta.completion_tokens + flight.resumed_from)
         if delta.finished:
             self.flights.pop(flight.work.request.request_id, None)

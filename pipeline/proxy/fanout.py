@@ -23,7 +23,7 @@ from pipeline.proxy.api_types import ApiError
 from pipeline.proxy.flights import Flight, Work
 from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
 from pipeline.proxy.request_log import log_aborted
-from pipeline.proxy.responses import ChatDeltas, error_response, response_body
+from pipeline.proxy.responses import ChatDeltas, Usage, error_response, response_body
 
 
 def copies(work: Work, n: int) -> list[Work]:
@@ -79,7 +79,7 @@ class ManyChoices:
                     log_aborted(flight, time.monotonic())
 
     async def _whole_many(self, request, n: int, flights: list[Flight], firsts, chat: bool) -> web.Response:
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, usage = [], Usage(self.prompt_tokens_details)
         for index, (flight, delta) in enumerate(zip(flights, firsts)):
             last, choice = await self._choice(request, flight, delta, chat)
             if last.error:
@@ -87,13 +87,10 @@ class ManyChoices:
                 return error_response(last)
             choice["index"] = index
             choices.append(choice)
-            # A batch's prompts count once each, not once a choice (vLLM's usage).
-            prompt_tokens += last.prompt_tokens if index % n == 0 else 0
-            completion_tokens += last.completion_tokens
+            usage.add(last, counts_prompt=index % n == 0)   # a batch's prompts count once each
         body = response_body(response_id(request, chat), request[MODEL_NAME_KEY], "", firsts[0], chat)
         body["choices"] = choices
-        body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                         "total_tokens": prompt_tokens + completion_tokens}
+        body["usage"] = usage.body()
         return web.json_response(body)
 
     async def _stream_many(self, request, req, flights: list[Flight], firsts, chat: bool):
@@ -127,7 +124,7 @@ class ManyChoices:
         tokenizer = self.model.processor.tokenizer
         offsets = [0] * len(flights)
         deltas = [ChatDeltas(stream.tools) for _ in flights]
-        done, prompt_tokens, completion_tokens = 0, 0, 0
+        done, usage = 0, Usage(self.prompt_tokens_details)
         while done < len(flights):
             index, delta = await merged.get()
             if isinstance(delta, Exception):
@@ -149,11 +146,8 @@ class ManyChoices:
                 await stream.send(chunk)
             if delta.finished:
                 done += 1
-                prompt_tokens += delta.prompt_tokens if index % req.n == 0 else 0
-                completion_tokens += delta.completion_tokens
+                usage.add(delta, counts_prompt=index % req.n == 0)
         if req.stream_options is not None and req.stream_options.include_usage:
-            usage = stream.chunk(None, None)
-            usage["choices"], usage["usage"] = [], {"prompt_tokens": prompt_tokens,
-                                                    "completion_tokens": completion_tokens,
-                                                    "total_tokens": prompt_tokens + completion_tokens}
-            await stream.send(usage)
+            chunk = stream.chunk(None, None)
+            chunk["choices"], chunk["usage"] = [], usage.body()
+            await stream.send(chunk)

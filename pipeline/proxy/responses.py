@@ -19,13 +19,38 @@ def error_response(delta: protocol.TokenDelta) -> web.Response:
     return web.json_response(error.body(), status=status)
 
 
-def usage_of(delta: protocol.TokenDelta) -> dict:
-    return {"prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens,
-            "total_tokens": delta.prompt_tokens + delta.completion_tokens}
+class Usage:
+    """A response's token counts as vLLM counts them: each prompt once, however
+    many choices it has; with `details` (--enable-prompt-tokens-details), how
+    many of the prompts' tokens the generators' prefix caches held."""
+
+    def __init__(self, details: bool) -> None:
+        self.details = details
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+
+    def add(self, last: protocol.TokenDelta, counts_prompt: bool = True) -> Usage:
+        """A choice's last delta; counts_prompt: the first choice of its prompt."""
+        if counts_prompt:
+            self.prompt_tokens += last.prompt_tokens
+            self.cached_tokens += last.cached_tokens
+        self.completion_tokens += last.completion_tokens
+        return self
+
+    def body(self) -> dict:
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.details:
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return out
 
 
-def response_body(rid, model_id, text, last, chat, tools: bool = False) -> dict:
-    """tools: the request's tool calls are parsed out of the text."""
+def usage_of(last: protocol.TokenDelta, details: bool = False) -> dict:
+    return Usage(details).add(last).body()
+
+
+def response_body(rid, model_id, text, last, chat, tools: bool = False, details: bool = False) -> dict:
+    """tools: the request's tool calls are parsed out of the text; details:
+    usage names the prompt's cached tokens."""
     choice = {"index": 0, "finish_reason": last.finish_reason, "stop_reason": last.stop_reason, "logprobs": None}
     if chat and tools:
         content, calls = parse_tool_calls(text)
@@ -38,7 +63,7 @@ def response_body(rid, model_id, text, last, chat, tools: bool = False) -> dict:
     else:
         choice["text"] = text
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model_id, "choices": [choice], "usage": usage_of(last)}
+            "model": model_id, "choices": [choice], "usage": usage_of(last, details)}
 
 
 def tool_finish(reason: str) -> str:

@@ -37,8 +37,10 @@ log = logging.getLogger("epd.proxy")
 
 class ProxyApp(ManyChoices):
     def __init__(self, dispatcher: Dispatcher, model: ModelInfo, policy: FetchPolicy,
-                 drain_timeout: float = 30.0, access: AccessPolicy = AccessPolicy()) -> None:
+                 drain_timeout: float = 30.0, access: AccessPolicy = AccessPolicy(),
+                 prompt_tokens_details: bool = False) -> None:
         self.dispatcher = dispatcher
+        self.prompt_tokens_details = prompt_tokens_details   # usage names the prompt's cached tokens (vLLM's flag)
         self.model = model
         self.policy = policy
         self.access = access
@@ -209,7 +211,8 @@ class ProxyApp(ManyChoices):
         last, choice = await self._choice(request, flight, delta, chat)
         if last.error:
             return error_response(last)
-        body = response_body(response_id(request, chat), request[MODEL_NAME_KEY], "", last, chat)
+        body = response_body(response_id(request, chat), request[MODEL_NAME_KEY], "", last, chat,
+                             details=self.prompt_tokens_details)
         body["choices"] = [choice]
         return web.json_response(body)
 
@@ -253,7 +256,7 @@ class ProxyApp(ManyChoices):
             if delta.finished:
                 if req.stream_options is not None and req.stream_options.include_usage:
                     usage = stream.chunk(None, None)
-                    usage["choices"], usage["usage"] = [], usage_of(delta)
+                    usage["choices"], usage["usage"] = [], usage_of(delta, self.prompt_tokens_details)
                     await stream.send(usage)
                 break
             delta = await self._next(flight)
