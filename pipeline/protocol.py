@@ -227,6 +227,8 @@ class GenerateRequest(_Msg, tag="generate"):
     # end of prompt_token_ids), and the characters of their text the client has.
     resumed_output: tuple[int, ...] = ()
     resumed_text_sent: int = 0
+    # vLLM's cache_salt: prefix-cached blocks are shared only between requests with the same one.
+    cache_salt: str = ""
 
 
 class TokenDelta(_Msg, tag="delta"):

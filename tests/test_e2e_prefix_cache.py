@@ -1,7 +1,8 @@
 """Prefix caching across real processes on the tiny model: the same image
 request twice gives the same greedy answer, the second from the first's
 cached blocks, counted in vLLM's prefix cache series on /metrics and, with
---enable-prompt-tokens-details, in its usage's cached_tokens."""
+--enable-prompt-tokens-details, in its usage's cached_tokens; a cache_salt
+keeps the blocks to requests with the same salt."""
 
 from __future__ import annotations
 
@@ -31,5 +32,10 @@ def test_a_request_seen_before_is_answered_the_same_from_cached_blocks(tmp_path,
         hits = stack.total("vllm:prefix_cache_hits_total")
         assert usage.prompt_tokens - 16 <= hits < usage.prompt_tokens   # all but the last, partial block
         assert streamed.prompt_tokens_details.cached_tokens == hits
+        # A cache_salt (vLLM's) keeps a tenant's blocks to requests with the same salt.
+        salted = [chat(stack, image, question, max_tokens=8, ignore_eos=True, cache_salt="tenant-a")
+                  for _ in range(2)]
+        assert [text for text, _, _ in salted] == [first, first]
+        assert [u.prompt_tokens_details.cached_tokens for _, _, u in salted] == [0, hits]
     finally:
         stack.close()

@@ -115,6 +115,19 @@ def test_a_prompt_seen_before_starts_after_its_cached_blocks_and_counts_as_hits(
     assert s.block_pool.num_used == 0 and s.block_pool.num_free == 64
 
 
+def test_only_requests_with_the_same_cache_salt_share_blocks():
+    s = cached_scheduler(block_size=4)
+    s.add_request(request("a", range(100, 110)))
+    run_to_end(s)
+    for rid, salt, reused in (("b", "tenant-1", 0), ("c", "tenant-1", 8), ("d", "tenant-2", 0), ("e", "", 8)):
+        r = request(rid, range(100, 110))
+        r.cache_salt = salt
+        s.add_request(r)
+        plan, _ = step(s)
+        assert chunk_map(plan)[rid][0] == reused, rid
+        run_to_end(s)
+
+
 def test_a_reuse_is_given_back_when_the_request_is_not_admitted():
     s = cached_scheduler(block_size=4, num_blocks=6, max_num_seqs=2)
     s.add_request(request("a", range(100, 112)))

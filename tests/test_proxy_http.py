@@ -45,7 +45,7 @@ REFUSED = {
     "structured_outputs": {"json": {}},
     "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
     "allowed_token_ids": [1, 2], "bad_words": ["x"], "truncate_prompt_tokens": 8, "priority": 1,
-    "logits_processors": ["mod.Proc"], "return_tokens_as_token_ids": True, "cache_salt": "tenant-a",
+    "logits_processors": ["mod.Proc"], "return_tokens_as_token_ids": True,
     "continue_final_message": True, "chat_template": "{{ messages }}", "documents": [{"title": "t", "text": "x"}],
     "add_special_tokens": True,
 }

@@ -117,3 +117,22 @@ def test_stream_options_as_vllm_reads_them():
         with pytest.raises(api.ApiError, match=fragment) as caught:
             parsed(**fields)
         assert caught.value.param == "stream_options"
+
+
+def test_cache_salt_reaches_the_generate_request_and_an_empty_one_is_a_400(tiny_dir):
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo
+
+    model = ModelInfo("tiny", Processor.from_checkpoint(tiny_dir, image_token_id=0), 512, b"salt")
+
+    def salt_of(**fields) -> str:
+        req = parse_body(json.dumps({"prompt": "x", **fields}).encode(), "completion")
+        return asyncio.run(completion_work(req, model, "r", "inproc://proxy", req.prompt)).request.cache_salt
+
+    assert salt_of() == "" and salt_of(cache_salt="tenant-a") == "tenant-a"
+    with pytest.raises(api.ApiError, match="cache_salt must be a non-empty string") as caught:
+        salt_of(cache_salt="")
+    assert caught.value.param == "cache_salt" and caught.value.status == 400

@@ -137,11 +137,11 @@ class Engine:
     def add_request(self, request_id: str, prompt: MultimodalPrompt, image_keys: list[str],
                     params: SamplingParams,
                     image_inputs: list[tuple[torch.Tensor, tuple[int, int, int]]] | None = None,
-                    resumed: Resumed | None = None) -> None:
+                    resumed: Resumed | None = None, cache_salt: str = "") -> None:
         """Queue a request. `image_keys[i]` names the embedding of image i
         (its content hash). In aggregated mode `image_inputs[i]` is image i's
-        (pixel_values, grid), encoded here when the scheduler says so.
-        `resumed`: it was moved here after those tokens (its prompt ends with them)."""
+        (pixel_values, grid), encoded here when the scheduler says so. `resumed`: it was
+        moved here after those tokens (its prompt ends with them). `cache_salt`: see Request."""
         if len(image_keys) != len(prompt.image_spans):
             raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
         vocab = self.model.spec.language.vocab_size
@@ -154,7 +154,7 @@ class Engine:
         if len(items) != len({r.item for r in rows}):
             raise ValueError("the placeholder runs of one video carry different keys")
         request = Request(request_id, list(prompt.token_ids), spans, params,
-                          tuple(self.tokenizer.eos_token_ids), self._arrivals)
+                          tuple(self.tokenizer.eos_token_ids), self._arrivals, cache_salt=cache_salt)
         self._arrivals += 1
         positions, delta = self.model.prompt_positions(len(prompt.token_ids), prompt.image_spans, prompt.grids,
                                                        list(prompt.seconds_per_grid) or None)

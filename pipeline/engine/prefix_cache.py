@@ -5,7 +5,8 @@ before it, the block's token ids, and, for image or video placeholder
 positions, which rows of which item fill them (placeholder ids are the same
 for every image; the content hash of the item is what differs). So equal
 names mean equal tokens, equal media and equal positions from the start of
-the prompt, and equal KV in every layer.
+the prompt, and equal KV in every layer. A request's cache_salt (vLLM's)
+starts its chain, so only requests with the same salt share blocks.
 
 `PrefixCachingPool` has BlockPool's interface (kv_blocks.py) and keeps
 the names of blocks no request holds any more. Such a block counts as free;
@@ -44,7 +45,8 @@ def prompt_block_names(request: Request, block_size: int) -> list[bytes]:
     width = block_size * 8
     spans = request.image_spans   # sorted, not overlapping
     names: list[bytes] = []
-    parent = b""
+    # A salt starts its own chain: no name of a salted prompt equals an unsalted one's, or another salt's.
+    parent = xxhash.xxh3_128(b"salt|" + request.cache_salt.encode()).digest() if request.cache_salt else b""
     first = 0   # the first span that does not end before this block
     for block in range(request.num_prompt_tokens // block_size):
         lo, hi = block * block_size, (block + 1) * block_size

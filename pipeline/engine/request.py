@@ -78,6 +78,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival: int = 0                  # arrival index, for FIFO order and metrics
+    cache_salt: str = ""              # prefix-cached blocks are shared only with requests of the same salt
     # Mutated by the scheduler.
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0      # tokens whose KV is in the cache

@@ -137,6 +137,7 @@ class SamplingFields(msgspec.Struct):
     priority: int = 0
     logits_processors: list | None = None
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: only requests with the same salt share prefix-cached KV blocks.
     cache_salt: str | None = None
 
 
@@ -177,7 +178,7 @@ NOT_YET_SUPPORTED = {
     "include_stop_str_in_output": _neutral, "skip_special_tokens": lambda v: v is True,
     "spaces_between_special_tokens": lambda v: v is True, "allowed_token_ids": lambda v: v is None,
     "bad_words": _neutral, "truncate_prompt_tokens": lambda v: v is None, "priority": _neutral,
-    "logits_processors": _neutral, "return_tokens_as_token_ids": _neutral, "cache_salt": lambda v: v is None,
+    "logits_processors": _neutral, "return_tokens_as_token_ids": _neutral,
     "continue_final_message": _neutral, "chat_template": lambda v: v is None, "documents": _neutral,
     "add_special_tokens": _neutral,
 }

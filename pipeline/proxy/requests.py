@@ -223,12 +223,19 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
     fps, frames = (options.fps, options.num_frames) if options is not None else (None, None)
     request = protocol.GenerateRequest(request_id, tuple(ids), tuple(prompt.image_spans),
                                        tuple(items[i].key for i in span_items), tuple(prompt.grids), sampling,
-                                       reply_to, media, tuple(prompt.seconds_per_grid), kinds, fps, frames)
+                                       reply_to, media, tuple(prompt.seconds_per_grid), kinds, fps, frames,
+                                       cache_salt=_cache_salt(req))
     jobs = [protocol.EncodeJob(f"{request_id}/{i}", request_id, item.key, item.media, "", tokens, reply_to,
                                item.kind, fps if item.kind == "video" else None,
                                frames if item.kind == "video" else None)
             for i, (item, tokens) in enumerate(zip(items, item_tokens))]
     return Work(request, jobs, len(ids) + max_tokens)
+
+
+def _cache_salt(req) -> str:
+    if req.cache_salt == "":   # vLLM refuses it too: an empty salt would read as none
+        raise ApiError("cache_salt must be a non-empty string if provided", param="cache_salt")
+    return req.cache_salt or ""
 
 
 def _given(value, defaults: dict, name: str, off):
