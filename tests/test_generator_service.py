@@ -44,15 +44,18 @@ class FakeEngine:
         self.embeddings: dict[str, torch.Tensor] = {}
         self.aborted: list[str] = []
         self.resumed: dict = {}                       # request id -> the engine.Resumed it came with
+        self.salts: dict[str, str] = {}               # request id -> its cache_salt
         self.script: list[list[RequestOutput]] = []   # what each step returns, in order
         self.refetch: list[str] = []                  # what the next take_refetches hands out
         self.steps = 0
 
-    def add_request(self, request_id, prompt, image_keys, params, image_inputs=None, resumed=None) -> None:
+    def add_request(self, request_id, prompt, image_keys, params, image_inputs=None, resumed=None,
+                    cache_salt="") -> None:
         if len(image_keys) != len(prompt.image_spans):
             raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
         self.requests[request_id] = list(image_keys)
         self.resumed[request_id] = resumed
+        self.salts[request_id] = cache_salt
 
     def add_embedding(self, key, embedding) -> None:
         if embedding.shape[1] != WIDTH:
