@@ -3,13 +3,16 @@
 not in CI):
 
 1. tokens: the built-in tiny model in float32 on CUDA. Prompts that share
-   starts (one prompt, the same again, it with more text after, and another
-   that shares its first 100 tokens), greedy: the same tokens with prefix
+   starts (one prompt, the same again, it with more text after, another
+   that shares its first 100 tokens, and a chat's next turn: the first
+   prompt, its answer, more text), greedy: the same tokens with prefix
    caching on and off, and on, hits for the shared starts;
 2. speed: the Qwen2.5-VL-3B language model (random bf16 weights), a
    2544-token prompt (4 images of 640x640 and 400 words take as many): the
    time to its first token cold and again from the cache, measured in this
-   one run, and whether the repeat's greedy tokens equal the cold run's.
+   one run, and whether the repeat's greedy tokens equal the cold run's;
+   and a next turn (that prompt, its 150-token answer, 50 more tokens)
+   against a cold prompt as long.
 
     python3 scripts/gpu_prefix_cache_check.py [--json OUT]
 """
@@ -60,6 +63,8 @@ def tiny_tokens(caching: bool) -> tuple[list[list[int]], int]:
     other = base[:100] + [int(t) for t in rng.integers(10, 450, 150)]
     prompts = [base, base, base + [int(t) for t in rng.integers(10, 450, 40)], other]
     outputs = [run_one(engine, f"r{i}", ids, 30)[0] for i, ids in enumerate(prompts)]
+    turn = base + outputs[0] + [int(t) for t in rng.integers(10, 450, 20)]   # its answer's blocks cached
+    outputs.append(run_one(engine, "next-turn", turn, 30)[0])
     return outputs, engine.scheduler.prefix.hits if caching else 0
 
 
@@ -78,6 +83,15 @@ def shape_ttft() -> dict:
         result["cold_ms"].append(round(cold * 1e3, 2))
         result["cached_ms"].append(round(cached * 1e3, 2))
         result["tokens_equal"].append(cold_tokens == again_tokens)
+    result["next_turn_cold_ms"], result["next_turn_ms"] = [], []
+    for i in range(3):
+        ids = [int(t) for t in rng.integers(10, 100_000, 2544)]
+        answer, _ = run_one(engine, f"turn{i}", ids, 150)
+        turn = ids + answer + [int(t) for t in rng.integers(10, 100_000, 50)]
+        _, cold = run_one(engine, f"cold-turn{i}", [int(t) for t in rng.integers(10, 100_000, len(turn))], 4)
+        _, cached = run_one(engine, f"next-turn{i}", turn, 4)
+        result["next_turn_cold_ms"].append(round(cold * 1e3, 2))
+        result["next_turn_ms"].append(round(cached * 1e3, 2))
     result["hits"], result["queries"] = engine.scheduler.prefix.hits, engine.scheduler.prefix.queries
     return result
 
@@ -96,6 +110,8 @@ def main() -> int:
     print(f"3B, 2544-token prompt, first token: cold {speed['cold_ms']} ms, from the cache {speed['cached_ms']} ms "
           f"({', '.join(f'{r:.1f}x' for r in ratios)}); repeat's 16 greedy tokens equal: {speed['tokens_equal']}",
           flush=True)
+    print(f"3B, a next turn of {2544 + 150 + 50} tokens, first token: cold {speed['next_turn_cold_ms']} ms, "
+          f"its prompt and answer cached {speed['next_turn_ms']} ms", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tiny_tokens_equal": equal, "tiny_hits": hits, "shape_ttft": speed}, f, indent=1)

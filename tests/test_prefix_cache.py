@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pipeline.engine.prefix_cache import PrefixCachingPool, prompt_block_names
-from pipeline.engine.request import ImageSpan, Request
+from pipeline.engine.request import PENDING_TOKEN, ImageSpan, Request, RequestStatus
 from pipeline.sampling_params import SamplingParams
 from scheduler_helpers import chunk_map, make_scheduler, step
 
@@ -115,6 +115,35 @@ def test_a_prompt_seen_before_starts_after_its_cached_blocks_and_counts_as_hits(
     assert s.block_pool.num_used == 0 and s.block_pool.num_free == 64
 
 
+def test_an_answer_s_computed_blocks_are_kept_for_the_next_turn():
+    s = cached_scheduler(block_size=4)
+    s.add_request(request("a", range(100, 110), max_tokens=6))   # 16 tokens; the last is never computed
+    run_to_end(s)
+    # The next turn: a's prompt, its answer (the test sampler's 7s), more words.
+    s.add_request(request("b", list(range(100, 110)) + [7] * 6 + [5, 6]))
+    plan, _ = step(s)
+    assert chunk_map(plan)["b"] == (12, 6)   # a's third block held prompt and answer; its fourth was partial
+    run_to_end(s)
+    s.add_request(request("c", list(range(100, 110)) + [7, 8, 8, 8, 9]))   # another answer
+    plan, _ = step(s)
+    assert chunk_map(plan)["c"] == (8, 7)
+
+
+def test_a_block_with_a_token_still_on_the_device_is_not_named():
+    s = cached_scheduler(block_size=4)
+    s.add_request(request("a", range(100, 107), max_tokens=20))
+    step(s)                               # the prompt; its first token read
+    for _ in range(5):                    # decode ahead: planned and counted, tokens never read
+        s.advance(s.schedule())
+    a = s.get_request("a")
+    assert a.num_computed_tokens == 12 and a.output_token_ids[1:] == [PENDING_TOKEN] * 5
+    s.finish("a", RequestStatus.FINISHED_ABORTED)
+    assert s.block_pool.num_cached == 2   # positions 0-7 (a's first token at 7); 8-11 were pending
+    s.add_request(request("b", list(range(100, 107)) + [7, 1, 1, 1, 1, 1]))
+    plan, _ = step(s)
+    assert chunk_map(plan)["b"] == (8, 5)
+
+
 def test_only_requests_with_the_same_cache_salt_share_blocks():
     s = cached_scheduler(block_size=4)
     s.add_request(request("a", range(100, 110)))
@@ -192,18 +221,27 @@ def prompt_media(r: Request) -> list[str | None]:
     return media
 
 
+# The test's sampler gives every request token 7, so prompts with 7s can
+# start as an earlier request's prompt and answer did (a chat's next turn).
+TOKENS = st.sampled_from([1, 2, 3, 7])
+
+
 @st.composite
 def workloads(draw):
-    stems = draw(st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=12), min_size=1, max_size=3))
-    requests = []
+    stems = draw(st.lists(st.lists(TOKENS, min_size=1, max_size=12), min_size=1, max_size=3))
+    requests, turns = [], []
     for i in range(draw(st.integers(1, 10))):
-        tokens = list(draw(st.sampled_from(stems))) + draw(st.lists(st.integers(1, 3), max_size=10))
+        tokens = list(draw(st.sampled_from(stems))) + draw(st.lists(TOKENS, max_size=10))
         spans = []
         if len(tokens) >= 4 and draw(st.booleans()):
             start = draw(st.integers(0, len(tokens) - 3))
             spans = [ImageSpan(start, 3, draw(st.sampled_from(["p", "q"])))]
-        requests.append(request(f"r{i}", tokens, spans, max_tokens=draw(st.integers(1, 6))))
-    return requests, draw(st.integers(8, 24)), draw(st.integers(1, 3))   # 8 blocks: the longest request
+        max_tokens = draw(st.integers(1, 6))
+        requests.append(request(f"r{i}", tokens, spans, max_tokens=max_tokens))
+        if draw(st.booleans()):   # its next turn, sent later: its prompt, its answer (all 7s), and more
+            turn = tokens + [7] * max_tokens + draw(st.lists(TOKENS, max_size=3))
+            turns.append(request(f"r{i}+", turn, spans, max_tokens=draw(st.integers(1, 6))))
+    return requests + turns, draw(st.integers(11, 24)), draw(st.integers(1, 3))   # 11 blocks: the longest request
 
 
 @settings(max_examples=150, deadline=None)

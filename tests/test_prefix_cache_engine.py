@@ -1,8 +1,11 @@
 """Prefix caching in the engine on the tiny model: a prompt seen before, its
 image included, gives the same greedy tokens as computed from scratch
-without reading the image again, in both modes; off, nothing is reused."""
+without reading the image again, in both modes, and so does a chat's next
+turn from its answer's blocks; off, nothing is reused."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -86,3 +89,20 @@ def test_off_nothing_is_reused(tiny):
     assert engine.scheduler.prefix is None and "prefix_cache_hits" not in engine.counters()
     fed = engine.profile.window()
     assert fed["mixed"]["tokens"] + fed.get("decode", {}).get("tokens", 0) == 2 * (len(prompt.token_ids) + 7)
+
+
+def test_a_chat_s_next_turn_reuses_the_answer_s_blocks_and_gives_the_tokens_computed_afresh(tiny):
+    model, processor = tiny
+    prompt, (key,), inputs = image_prompt(processor)
+    engine = Engine(model, processor.tokenizer, EngineConfig(block_size=8, kv_cache_bytes=4 << 20),
+                    torch.device("cpu"))
+    engine.add_request("turn-1", prompt, [key], SamplingParams(max_tokens=16, ignore_eos=True))
+    engine.add_embedding(key, model.encode_images(inputs[0][0], [inputs[0][1]])[0])
+    answer = run(engine)["turn-1"]
+    follow_up = processor.tokenizer.encode("and what else is in it?")
+    turn = dataclasses.replace(prompt, token_ids=list(prompt.token_ids) + answer + follow_up)
+    engine.add_request("turn-2", turn, [key], PARAMS)   # no embedding: the image lies in the reused blocks
+    assert run(engine)["turn-2"] == offline(model, turn, inputs, 8)
+    computed = len(prompt.token_ids) + len(answer) - 1   # the answer's last token was never fed
+    assert engine.scheduler.prefix.hits == computed // 8 * 8 > len(prompt.token_ids)
+    assert engine.scheduler.block_pool.num_used == 0

@@ -1,12 +1,14 @@
 """Automatic prefix caching: KV blocks kept by their content after use.
 
-A full block of a prompt is named by a chained hash: the hash of the block
-before it, the block's token ids, and, for image or video placeholder
+A full block of a request's tokens is named by a chained hash: the hash of
+the block before it, the block's token ids, and, for image or video placeholder
 positions, which rows of which item fill them (placeholder ids are the same
 for every image; the content hash of the item is what differs). So equal
 names mean equal tokens, equal media and equal positions from the start of
 the prompt, and equal KV in every layer. A request's cache_salt (vLLM's)
-starts its chain, so only requests with the same salt share blocks.
+starts its chain, so only requests with the same salt share blocks. Prompt
+blocks are named as they are computed; the blocks its output filled when
+the request ends or is preempted (a chat's next turn has them in its prompt).
 
 `PrefixCachingPool` has BlockPool's interface (kv_blocks.py) and keeps
 the names of blocks no request holds any more. Such a block counts as free;
@@ -25,7 +27,7 @@ import numpy as np
 import xxhash
 
 from pipeline.engine.kv_blocks import BlockPool
-from pipeline.engine.request import Request
+from pipeline.engine.request import PENDING_TOKEN, Request
 
 
 def block_name(parent: bytes, token_bytes: bytes, media: list[tuple[str, int, int]]) -> bytes:
@@ -39,27 +41,39 @@ def block_name(parent: bytes, token_bytes: bytes, media: list[tuple[str, int, in
     return h.digest()
 
 
-def prompt_block_names(request: Request, block_size: int) -> list[bytes]:
-    """The names of the prompt's full blocks, first to last."""
-    tokens = np.asarray(request.prompt_token_ids, dtype=np.int64).tobytes()   # one conversion per prompt
+def chain_start(request: Request) -> bytes:
+    """The parent of a request's first block. A salt starts a chain of its
+    own: no name of a salted prompt equals an unsalted one's, or another salt's."""
+    return xxhash.xxh3_128(b"salt|" + request.cache_salt.encode()).digest() if request.cache_salt else b""
+
+
+def block_names(request: Request, block_size: int, first: int, last: int, parent: bytes) -> list[bytes]:
+    """The names of the request's full blocks [first, last) over its prompt
+    and then its output tokens; `parent` is block first - 1's name (or the
+    chain's start)."""
+    tokens = np.asarray(request.token_ids_between(first * block_size, last * block_size), dtype=np.int64).tobytes()
     width = block_size * 8
-    spans = request.image_spans   # sorted, not overlapping
+    spans = request.image_spans   # sorted, not overlapping; all in the prompt
     names: list[bytes] = []
-    # A salt starts its own chain: no name of a salted prompt equals an unsalted one's, or another salt's.
-    parent = xxhash.xxh3_128(b"salt|" + request.cache_salt.encode()).digest() if request.cache_salt else b""
-    first = 0   # the first span that does not end before this block
-    for block in range(request.num_prompt_tokens // block_size):
+    next_span = 0   # the first span that does not end before this block
+    for block in range(first, last):
         lo, hi = block * block_size, (block + 1) * block_size
-        while first < len(spans) and spans[first].end <= lo:
-            first += 1
+        while next_span < len(spans) and spans[next_span].end <= lo:
+            next_span += 1
         media = []
-        for span in spans[first:]:
+        for span in spans[next_span:]:
             if span.start >= hi:
                 break
             media.append((span.key, span.offset + max(lo - span.start, 0), max(span.start - lo, 0)))
-        parent = block_name(parent, tokens[block * width:(block + 1) * width], media)
+        at = (block - first) * width
+        parent = block_name(parent, tokens[at:at + width], media)
         names.append(parent)
     return names
+
+
+def prompt_block_names(request: Request, block_size: int) -> list[bytes]:
+    """The names of the prompt's full blocks, first to last."""
+    return block_names(request, block_size, 0, request.num_prompt_tokens // block_size, chain_start(request))
 
 
 class PrefixCachingPool(BlockPool):
@@ -201,6 +215,25 @@ class PrefixCache:
         names = self._names_of(request)
         blocks = request.block_ids.view()
         for i in range(first, done):
+            self.pool.name(int(blocks[i]), names[i])
+
+    def retire(self, request: Request) -> None:
+        """Before its blocks are freed (it finished or was preempted): name
+        the full blocks of its output whose KV is computed, so that they
+        outlive it as its prompt's do. A chat's next turn carries this answer
+        in its prompt, and a preempted request finds them again. A block
+        holding a token still on the device (decode ahead) stays unnamed."""
+        bs = self.block_size
+        names = self._names_of(request)
+        start = request.num_prompt_tokens // bs   # the first block with output in it
+        done = min(request.num_computed_tokens, request.num_tokens) // bs
+        pending = request.token_ids_between(start * bs, done * bs)
+        if PENDING_TOKEN in pending:
+            done = start + pending.index(PENDING_TOKEN) // bs
+        if done > len(names):
+            names += block_names(request, bs, len(names), done, names[-1] if names else chain_start(request))
+        blocks = request.block_ids.view()
+        for i in range(start, min(done, len(blocks))):
             self.pool.name(int(blocks[i]), names[i])
 
     def forget(self, request: Request) -> None:

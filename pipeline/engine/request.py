@@ -44,6 +44,9 @@ class ImageSpan:
         return self.start + self.length
 
 
+PENDING_TOKEN = -1   # an output token sampled on the device and not read yet (Scheduler.advance)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

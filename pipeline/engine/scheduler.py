@@ -38,11 +38,10 @@ from pipeline.engine.admission import check_admissible
 from pipeline.engine.kv_blocks import BlockPool, blocks_needed
 from pipeline.engine.plan import Chunk, FinishedRequest, SchedulerConfig, StepPlan
 from pipeline.engine.prefix_cache import PrefixCache, PrefixCachingPool
-from pipeline.engine.request import ImageSpan, Request, RequestStatus, stop_status
+from pipeline.engine.request import PENDING_TOKEN, ImageSpan, Request, RequestStatus, stop_status
 
 __all__ = ["Chunk", "FinishedRequest", "PENDING_TOKEN", "Scheduler", "SchedulerConfig", "StepPlan"]
 
-PENDING_TOKEN = -1   # an output token sampled on the device and not read yet (Scheduler.advance)
 
 
 @dataclass
@@ -290,6 +289,8 @@ class Scheduler:
 
     def _free_blocks(self, request: Request) -> None:
         if request.block_ids:
+            if self.prefix:
+                self.prefix.retire(request)   # its output's computed blocks are kept too
             self.block_pool.free(request.block_ids.tolist())
             request.block_ids.clear()
 
