@@ -227,13 +227,13 @@ class PrefixCache:
         names = self._names_of(request)
         start = request.num_prompt_tokens // bs   # the first block with output in it
         done = min(request.num_computed_tokens, request.num_tokens) // bs
-        pending = request.token_ids_between(start * bs, done * bs)
-        if PENDING_TOKEN in pending:
-            done = start + pending.index(PENDING_TOKEN) // bs
+        filled = request.token_ids_between(start * bs, done * bs)
+        if PENDING_TOKEN in filled:
+            done = start + filled.index(PENDING_TOKEN) // bs
         if done > len(names):
             names += block_names(request, bs, len(names), done, names[-1] if names else chain_start(request))
         blocks = request.block_ids.view()
-        for i in range(start, min(done, len(blocks))):
+        for i in range(start, done):
             self.pool.name(int(blocks[i]), names[i])
 
     def forget(self, request: Request) -> None:

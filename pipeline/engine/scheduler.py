@@ -43,7 +43,6 @@ from pipeline.engine.request import PENDING_TOKEN, ImageSpan, Request, RequestSt
 __all__ = ["Chunk", "FinishedRequest", "PENDING_TOKEN", "Scheduler", "SchedulerConfig", "StepPlan"]
 
 
-
 @dataclass
 class _Budget:
     tokens: int
