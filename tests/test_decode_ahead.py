@@ -114,22 +114,26 @@ def test_every_sampling_option_gives_what_the_waiting_engine_gives(tiny):  # noq
     assert ahead_engine.scheduler.block_pool.num_used == 0 and not ahead_engine.live
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_aborts_arrivals_and_kv_pressure_leave_nothing_behind(tiny, seed):  # noqa: F811
+@pytest.mark.parametrize("seed, caching", [(0, False), (1, False), (2, True)])
+def test_aborts_arrivals_and_kv_pressure_leave_nothing_behind(tiny, seed, caching):  # noqa: F811
     """Random arrivals and aborts, a KV cache too small for everyone (the
     engine must not plan ahead into a preemption): the same outputs as the
-    waiting engine for every request that was not aborted, nothing left."""
+    waiting engine for every request that was not aborted, nothing left.
+    With prefix caching, prompts repeat: requests that end or are aborted
+    with a step in flight leave their blocks named for the later ones."""
     _, processor = tiny
     rng = random.Random(seed)
+    prompts = 6 if caching else 24
     arrivals, aborts = {}, {}
     for i in range(24):
         step = rng.randrange(60)
         params = SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True,
                                 **(PENALTIES if rng.random() < 0.3 else {}))
-        arrivals.setdefault(step, []).append((f"q{i}", make_request(processor, 100 + i, 0)[0], params))
+        prompt = make_request(processor, 100 + i % prompts, 0)[0]
+        arrivals.setdefault(step, []).append((f"q{i}", prompt, params))
         if rng.random() < 0.25:
             aborts.setdefault(step + rng.randrange(1, 8), []).append(f"q{i}")
-    tight = dict(kv_cache_bytes=96 << 10, max_num_seqs=6)
+    tight = dict(kv_cache_bytes=96 << 10, max_num_seqs=6, prefix_caching=caching)
     waiting = drain(engine_for(tiny, ahead=False, **tight), arrivals, aborts)
     engine = engine_for(tiny, ahead=True, **tight)
     ahead = drain(engine, arrivals, aborts)
@@ -138,6 +142,7 @@ def test_aborts_arrivals_and_kv_pressure_leave_nothing_behind(tiny, seed):  # no
         assert same_outputs({rid: ahead[rid]}, {rid: waiting[rid]}), rid
     assert engine.scheduler.block_pool.num_used == 0 and not engine.live and not engine.has_work()
     assert engine.counters()["decode_ahead_steps"] > 0
+    assert (engine.scheduler.prefix.hits > 0) if caching else engine.scheduler.prefix is None
 
 
 def test_an_abort_between_steps_leaves_the_others_their_own_tokens(tiny):  # noqa: F811

@@ -222,7 +222,10 @@ class PrefixCache:
         the full blocks of its output whose KV is computed, so that they
         outlive it as its prompt's do. A chat's next turn carries this answer
         in its prompt, and a preempted request finds them again. A block
-        holding a token still on the device (decode ahead) stays unnamed."""
+        holding a token still on the device would stay unnamed; none does
+        today, as decode ahead reads a step's tokens before a request can end
+        or be preempted (engine/ahead.py); the check keeps a wrong name out
+        should that order change."""
         bs = self.block_size
         names = self._names_of(request)
         start = request.num_prompt_tokens // bs   # the first block with output in it
