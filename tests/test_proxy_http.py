@@ -41,8 +41,6 @@ def chat_body(**extra) -> dict:
 REFUSED = {
     "functions": [{"name": "f"}], "function_call": "auto",
     "prompt_logprobs": 1, "best_of": 2,
-    "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= x",
-    "structured_outputs": {"json": {}},
     "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
     "allowed_token_ids": [1, 2], "bad_words": ["x"], "truncate_prompt_tokens": 8, "priority": 1,
     "logits_processors": ["mod.Proc"], "return_tokens_as_token_ids": True,

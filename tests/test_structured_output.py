@@ -91,3 +91,35 @@ def test_json_object_and_bad_schemas(served):
         model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=60, temperature=0,
         extra_body={"guided_json": SCHEMAS["enum"]})
     jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMAS["enum"])
+
+
+def test_vllm_structured_outputs_regex_choice_and_grammar(served):
+    """vLLM's `structured_outputs` (and its older `guided_*` names) as extra
+    fields, on chat and on text completions."""
+    import re
+
+    def chat(extra, stream=False):
+        kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Answer."}], max_tokens=40,
+                      temperature=0, extra_body=extra)
+        if not stream:
+            choice = client(served).chat.completions.create(**kwargs).choices[0]
+            return choice.message.content, choice.finish_reason
+        chunks = list(client(served).chat.completions.create(**kwargs, stream=True))
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), None
+
+    pattern = r"\d{3}-[a-z]{2,4}"
+    text, reason = chat({"structured_outputs": {"regex": pattern}})
+    assert re.fullmatch(pattern, text) and reason == "stop", text
+    assert chat({"structured_outputs": {"regex": pattern}}, stream=True)[0] == text
+    assert re.fullmatch(pattern, chat({"guided_regex": pattern})[0])
+    choices = ["positive", "negative", "neutral (unsure)"]
+    assert chat({"structured_outputs": {"choice": choices}})[0] in choices
+    assert chat({"guided_choice": choices})[0] in choices
+    gbnf = 'root ::= answer | answer "," answer\nanswer ::= "yes" | "no"'
+    text, reason = chat({"structured_outputs": {"grammar": gbnf}})
+    assert re.fullmatch(r"(yes|no)(,(yes|no))?", text) and reason == "stop", text
+    completion = client(served).completions.create(model="tiny", prompt="Pick:", max_tokens=20, temperature=0,
+                                                   extra_body={"structured_outputs": {"choice": choices}})
+    assert completion.choices[0].text in choices
+    with pytest.raises(openai.BadRequestError, match="exactly one"):
+        chat({"structured_outputs": {"regex": "a", "choice": ["b"]}})

@@ -91,6 +91,21 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: one constraint, and its JSON options
+    (checked and compiled in proxy/structured.py)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None   # refused there
+    disable_any_whitespace: bool = False        # this server's JSON is compact anyway
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False              # no fallback here: a constraint is always enforced
+
+
 class SamplingFields(msgspec.Struct):
     model: str | None = None
     max_tokens: int | None = None
@@ -117,16 +132,18 @@ class SamplingFields(msgspec.Struct):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
+    # Structured output in vLLM's forms (proxy/structured.py).
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     # Accepted only at their neutral values (see NOT_YET_SUPPORTED).
     functions: list | None = None
     function_call: str | dict | None = None
     prompt_logprobs: int | None = None
     best_of: int | None = None
-    guided_json: str | dict | None = None
-    guided_regex: str | None = None
-    guided_choice: list | None = None
-    guided_grammar: str | None = None
-    structured_outputs: dict | None = None
     # vLLM's own fields, likewise accepted only at their defaults.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -173,8 +190,7 @@ NOT_YET_SUPPORTED = {
     "functions": _neutral, "function_call": lambda v: v in (None, "none"),   # the legacy form of tools
     "prompt_logprobs": _neutral,
     "best_of": lambda v: v in (None, 1),
-    "guided_regex": _neutral, "guided_choice": _neutral, "guided_grammar": _neutral,
-    "structured_outputs": _neutral, "echo": _neutral, "suffix": lambda v: not v,
+    "echo": _neutral, "suffix": lambda v: not v,
     "include_stop_str_in_output": _neutral, "skip_special_tokens": lambda v: v is True,
     "spaces_between_special_tokens": lambda v: v is True, "allowed_token_ids": lambda v: v is None,
     "bad_words": _neutral, "truncate_prompt_tokens": lambda v: v is None, "priority": _neutral,
