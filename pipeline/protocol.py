@@ -198,6 +198,10 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None   # the chosen token's logprob and the top k, per output token
     grammar: str = ""             # llguidance's grammar the output must follow (structured output)
+    # vLLM's output options (SamplingParams says what each does).
+    allowed_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 class GenerateRequest(_Msg, tag="generate"):

@@ -46,6 +46,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
     logprobs: int | None = None       # None: none; k: the chosen token's and the top k (engine/logprobs.py)
     grammar: str = ""                 # llguidance's grammar the output must follow (engine/grammar.py)
+    allowed_token_ids: tuple[int, ...] = ()   # (): any; else every other token is cut (engine/sampler.py)
+    include_stop_str_in_output: bool = False  # the stop string, or the stop token's text, ends the text
+    skip_special_tokens: bool = True          # special tokens' text left out (the detokenizer's option)
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1)
@@ -83,6 +86,12 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             check_int("logit_bias token id", token, 0)
             check_number(f"logit_bias[{token}]", bias, -100.0, 100.0)
+        for token in self.allowed_token_ids:
+            check_int("allowed_token_ids[...]", token, 0)
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids))))
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.grammar, str):
             raise ValueError(f"grammar must be a str, got {type(self.grammar).__name__}")
         if self.logprobs is not None:

@@ -203,6 +203,22 @@ def test_stop_token_ids_end_the_answer_at_that_token(epd, tiny_dir, tmp_path):
     short = httpx.post(epd.base_url + "/v1/chat/completions", json={**body, "max_tokens": 1, "stop_token_ids": []},
                        timeout=60).json()
     assert short["choices"][0]["finish_reason"] == "length" and short["choices"][0]["stop_reason"] is None
+    # vLLM's include_stop_str_in_output keeps the stop token's text.
+    kept, reason, _ = chat(epd, [], text, max_tokens=12, stop_token_ids=[ids[cut]], include_stop_str_in_output=True)
+    assert reason == "stop" and kept == epd_generate(tiny_dir, tmp_path, [], text, max_tokens=cut + 1)["text"]
+
+
+def test_allowed_token_ids_reach_the_engine_through_the_stack(epd):
+    words = httpx.post(epd.base_url + "/tokenize", json={"model": "tiny", "prompt": "cat sky tree"},
+                       timeout=10).json()["tokens"]
+    names = {httpx.post(epd.base_url + "/detokenize", json={"model": "tiny", "tokens": [t]}, timeout=10)
+             .json()["prompt"] for t in words}
+    assert len(names) == len(words) > 1 and "\ufffd" not in "".join(names)   # tokens told apart by their text
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "logprobs": 0,
+            "allowed_token_ids": words, "ignore_eos": True}
+    reply = httpx.post(epd.base_url + "/v1/completions", json=body, timeout=60).json()
+    tokens = reply["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 6 and set(tokens) <= names, (tokens, names)
 
 
 def test_a_client_that_hangs_up_is_aborted_within_100_ms(epd):

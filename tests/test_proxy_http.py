@@ -41,8 +41,7 @@ def chat_body(**extra) -> dict:
 REFUSED = {
     "functions": [{"name": "f"}], "function_call": "auto",
     "prompt_logprobs": 1, "best_of": 2,
-    "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
-    "allowed_token_ids": [1, 2], "bad_words": ["x"], "truncate_prompt_tokens": 8, "priority": 1,
+    "bad_words": ["x"], "truncate_prompt_tokens": 8, "priority": 1,
     "logits_processors": ["mod.Proc"], "return_tokens_as_token_ids": True,
     "continue_final_message": True, "chat_template": "{{ messages }}", "documents": [{"title": "t", "text": "x"}],
     "add_special_tokens": True,
@@ -62,8 +61,7 @@ def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
     with pytest.raises(api.ApiError, match="'echo'"):
         parse_body(json.dumps(chat_body(echo=True)).encode(), "chat")
     neutral = dict(tools=[], tool_choice="none", logprobs=False, top_logprobs=0,
-                   best_of=1, parallel_tool_calls=True, skip_special_tokens=True, priority=0,
-                   include_stop_str_in_output=False, continue_final_message=False)
+                   best_of=1, parallel_tool_calls=True, priority=0, continue_final_message=False)
     parse_body(json.dumps(chat_body(**neutral)).encode(), "chat")
     for field, value in (("echo", True), ("suffix", "tail"), ("tools", [{"type": "function"}]),
                          ("tool_choice", "auto")):

@@ -1,10 +1,11 @@
 """vLLM's readings of the OpenAI fields, in-process as test_proxy_http.py
 runs the proxy: max_tokens, stream_options, seeds, and vLLM's own
-chat_template_kwargs and add_generation_prompt."""
+chat_template_kwargs, add_generation_prompt, cache_salt and output options."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -136,3 +137,29 @@ def test_cache_salt_reaches_the_generate_request_and_an_empty_one_is_a_400(tiny_
     with pytest.raises(api.ApiError, match="cache_salt must be a non-empty string") as caught:
         salt_of(cache_salt="")
     assert caught.value.param == "cache_salt" and caught.value.status == 400
+
+
+def test_vllm_output_options_reach_the_sampling_and_bad_allowed_ids_are_400s(tiny_dir):
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo
+
+    model = ModelInfo("tiny", Processor.from_checkpoint(tiny_dir, image_token_id=0), 512, b"salt")
+    vocab = model.processor.tokenizer.vocab_size
+
+    def sampling(**fields):
+        req = parse_body(json.dumps({"prompt": "x", **fields}).encode(), "completion")
+        return asyncio.run(completion_work(req, model, "r", "inproc://proxy", req.prompt)).request.sampling
+
+    plain = sampling()
+    assert (plain.allowed_token_ids, plain.include_stop_str_in_output, plain.skip_special_tokens) == ((), False, True)
+    asked = sampling(allowed_token_ids=[9, 3, 9], include_stop_str_in_output=True, skip_special_tokens=False,
+                     spaces_between_special_tokens=False)
+    assert (asked.allowed_token_ids, asked.include_stop_str_in_output, asked.skip_special_tokens) == \
+        ((9, 3, 9), True, False)
+    for ids, says in (([], "at least one"), ([vocab], f"[0, {vocab})"), ([-1], "-1 is not")):
+        with pytest.raises(api.ApiError, match=re.escape(says)) as caught:
+            sampling(allowed_token_ids=ids)
+        assert caught.value.param == "allowed_token_ids" and caught.value.status == 400

@@ -144,9 +144,7 @@ class Engine:
         moved here after those tokens (its prompt ends with them). `cache_salt`: see Request."""
         if len(image_keys) != len(prompt.image_spans):
             raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
-        vocab = self.model.spec.language.vocab_size
-        if any(token >= vocab for token, _ in params.logit_bias):
-            raise ValueError(f"logit_bias names a token id outside this model's vocabulary of {vocab}")
+        self._check_tokens(params)
         rows = span_rows(self.model.spec, prompt.grids, prompt.image_spans)
         spans = tuple(ImageSpan(start, length, key, r.offset, r.item_tokens)
                       for (start, length), key, r in zip(prompt.image_spans, image_keys, rows))
@@ -167,12 +165,24 @@ class Engine:
         matcher = self.grammars().matcher(params.grammar) if params.grammar else None   # GrammarError: a 400
         if matcher is not None and earlier and not matcher.consume_tokens(list(earlier)):
             raise ValueError(f"the grammar refuses the tokens produced before the move: {matcher.get_error()}")
-        text = (TextState.resume(self.tokenizer, params.stop, params.min_tokens, resumed) if resumed
-                else TextState.create(self.tokenizer, params.stop, params.min_tokens))
+        text = TextState.of(self.tokenizer, params, resumed)
         self.scheduler.add_request(request)
         self.live[request_id] = _Live(PromptGeometry(positions, delta), text, make_generator(params, len(earlier)),
                                       inputs, matcher=matcher, earlier_output=earlier,
                                       stop_token_ids=frozenset(params.stop_token_ids) - eos_named)
+
+    def _check_tokens(self, params: SamplingParams) -> None:
+        """The token ids a request names, against this model: ValueError (a 400)
+        for one outside its vocabulary, or allowed tokens that leave none to write."""
+        vocab = self.model.spec.language.vocab_size
+        if any(token >= vocab for token, _ in params.logit_bias):
+            raise ValueError(f"logit_bias names a token id outside this model's vocabulary of {vocab}")
+        if any(token >= vocab for token in params.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids names a token id outside this model's vocabulary of {vocab}")
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= ends:
+            # min_tokens bans them all until then: no token would be left to write.
+            raise ValueError("every token in allowed_token_ids ends the request, and min_tokens forbids that")
 
     def add_embedding(self, key: str, embedding: torch.Tensor) -> None:
         """An image embedding arrived; kept pending until a request needs it
@@ -380,9 +390,10 @@ class Engine:
         chosen = (logprobs,) if logprobs is not None else ()
         request = self.scheduler.get_request(request_id)
         # As vLLM: a stop token (or EOS) that ends the request stays in the
-        # token ids, not in the text.
+        # token ids, and in the text only with include_stop_str_in_output.
         stop_token = finished is not None and finished.status is RequestStatus.FINISHED_STOPPED
-        delta = "" if stop_token else live.text.push(token)
+        keep = not stop_token or live.text.include_stop
+        delta = live.text.push(token) if keep else ""
         if finished is None and (live.text.stopped or (live.matcher is not None and live.matcher.is_stopped())):
             finished = self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
         if finished is None:

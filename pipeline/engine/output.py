@@ -4,7 +4,9 @@ finish reasons.
 Stop strings are found in the detokenized text. Text that could still become
 the start of a stop string is held back, so a client never receives part of
 a stop string; when one matches, the output is cut before it and the request
-is finished with reason "stop".
+is finished with reason "stop". With vLLM's include_stop_str_in_output the
+cut comes after it instead, and nothing is held back: a stop string's
+beginning is part of the text whether or not the rest follows.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class TextState:
     detokenizer: IncrementalDetokenizer
     stop: tuple[str, ...]
     min_tokens: int = 0   # stop strings count only once this many tokens are out (as vLLM)
+    include_stop: bool = False   # include_stop_str_in_output
     text: str = ""
     sent: int = 0
     stopped: bool = False
@@ -58,22 +61,33 @@ class TextState:
     token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def create(cls, tokenizer: Tokenizer, stop: tuple[str, ...], min_tokens: int = 0) -> TextState:
-        return cls(IncrementalDetokenizer(tokenizer), stop, min_tokens)
+    def create(cls, tokenizer: Tokenizer, stop: tuple[str, ...], min_tokens: int = 0, include_stop: bool = False,
+               skip_special_tokens: bool = True) -> TextState:
+        return cls(IncrementalDetokenizer(tokenizer, skip_special_tokens), stop, min_tokens, include_stop)
 
     @classmethod
-    def resume(cls, tokenizer: Tokenizer, stop: tuple[str, ...], min_tokens: int, resumed: Resumed) -> TextState:
+    def resume(cls, tokenizer: Tokenizer, stop: tuple[str, ...], min_tokens: int, resumed: Resumed,
+               include_stop: bool = False, skip_special_tokens: bool = True) -> TextState:
         """The state the lost generator had: the text of the earlier tokens,
         of which only what the client lacks (held back there: part of a
         character, or what could begin a stop string) is still to be sent,
         and where a stop string may begin. `min_tokens` counts from here,
         as the moved request's sampling does."""
-        state = cls.create(tokenizer, stop, min_tokens + len(resumed.token_ids))
+        state = cls.create(tokenizer, stop, min_tokens + len(resumed.token_ids), include_stop, skip_special_tokens)
         for token_id in resumed.token_ids:
             state.token_ids.append(token_id)
             state.text += state.detokenizer.push(token_id)
         state.sent = min(resumed.text_sent, len(state.text))
         return state
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, params, resumed: Resumed | None = None) -> TextState:
+        """A request's text state from its SamplingParams: a new one, or the
+        one it had where it ran before it moved here."""
+        options = (params.include_stop_str_in_output, params.skip_special_tokens)
+        if resumed is None:
+            return cls.create(tokenizer, params.stop, params.min_tokens, *options)
+        return cls.resume(tokenizer, params.stop, params.min_tokens, resumed, *options)
 
     def push(self, token_id: int) -> str:
         """Add a token; the text that may be sent now. Sets `stopped` when a
@@ -95,10 +109,10 @@ class TextState:
             hits = [(at, s) for at, s in ((self.text.find(s, start), s) for s in self.stop) if at >= 0]
             if hits:
                 at, self.stop_string = min(hits)
-                self.text = self.text[:at]
+                self.text = self.text[:at + len(self.stop_string) if self.include_stop else at]
                 self.stopped = True
         limit = len(self.text)
-        if self.stop and not self.stopped and not final:
+        if self.stop and not self.stopped and not final and not self.include_stop:
             limit -= _partial_stop_suffix(self.text, self.stop)
         if limit <= self.sent:
             return ""

@@ -1,7 +1,7 @@
 """Next-token choice for a batch of rows: greedy, temperature, top-k, top-p,
-min-p, per-request seeds, min_tokens (end tokens masked until enough
-output), the logits processors of engine/penalties.py and the grammar masks
-of engine/grammar.py.
+min-p, per-request seeds, allowed_token_ids (every other token cut),
+min_tokens (end tokens masked until enough output), the logits processors
+of engine/penalties.py and the grammar masks of engine/grammar.py.
 
 Nothing loops over the batch on the device: greedy rows take one batched
 argmax; bans, bias, penalties and masks apply to the whole batch at once;
@@ -23,7 +23,7 @@ from pipeline.engine.draw import draw
 from pipeline.engine.grammar import GrammarMasks
 from pipeline.engine.penalties import PenaltyPool, apply_bias_and_penalties
 from pipeline.sampling_params import SamplingParams
-from pipeline.engine.small_copies import device_tensor
+from pipeline.engine.small_copies import device_tensor, steady_tensor
 
 
 @dataclass
@@ -37,7 +37,7 @@ class SamplingRow:
 
 def _plain(row: SamplingRow) -> bool:
     return (row.params.temperature == 0 and not row.banned and not row.params.logit_bias and row.pool_row is None
-            and row.matcher is None)
+            and row.matcher is None and not row.params.allowed_token_ids)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], pool: PenaltyPool | None = None,
@@ -59,6 +59,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], pool: Penalt
         return logits.argmax(-1)
     # A copy even when already float32: the caller reads the raw logits after (logprobs).
     logits = logits.to(torch.float32, copy=True)
+    _allow_only(logits, rows)
     _ban(logits, rows)
     apply_bias_and_penalties(logits, [row.params for row in rows], [row.pool_row for row in rows], pool)
     if any(row.matcher is not None for row in rows):
@@ -75,6 +76,21 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], pool: Penalt
                       [rows[i].generator for i in drawn])
         tokens.index_copy_(0, index, chosen)
     return tokens
+
+
+def _allow_only(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """allowed_token_ids: a restricted row keeps those tokens' logits and
+    loses every other (three batched kernels: gather, fill, scatter back)."""
+    restricted = tuple(i for i, row in enumerate(rows) if row.params.allowed_token_ids)
+    if not restricted:
+        return
+    vocab = logits.shape[1]
+    # Ids past the logits' width (a tokenizer larger than the model) are never allowed.
+    at = tuple(i * vocab + t for i in restricted for t in rows[i].params.allowed_token_ids if t < vocab)
+    flat = steady_tensor("allowed_at", at, torch.long, logits.device)
+    kept = logits.view(-1).index_select(0, flat)
+    logits.index_fill_(0, steady_tensor("allowed_rows", restricted, torch.long, logits.device), float("-inf"))
+    logits.view(-1).index_copy_(0, flat, kept)
 
 
 def _ban(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -144,11 +144,15 @@ class SamplingFields(msgspec.Struct):
     function_call: str | dict | None = None
     prompt_logprobs: int | None = None
     best_of: int | None = None
-    # vLLM's own fields, likewise accepted only at their defaults.
+    # vLLM's output options (SamplingParams says what each does). The
+    # byte-level tokenizers served here decode consecutive special tokens
+    # with nothing between them, as vLLM's fast detokenizer does, so either
+    # value of spaces_between_special_tokens reads the same.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
+    # vLLM's own fields accepted only at their defaults (NOT_YET_SUPPORTED).
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0
@@ -191,8 +195,6 @@ NOT_YET_SUPPORTED = {
     "prompt_logprobs": _neutral,
     "best_of": lambda v: v in (None, 1),
     "echo": _neutral, "suffix": lambda v: not v,
-    "include_stop_str_in_output": _neutral, "skip_special_tokens": lambda v: v is True,
-    "spaces_between_special_tokens": lambda v: v is True, "allowed_token_ids": lambda v: v is None,
     "bad_words": _neutral, "truncate_prompt_tokens": lambda v: v is None, "priority": _neutral,
     "logits_processors": _neutral, "return_tokens_as_token_ids": _neutral,
     "continue_final_message": _neutral, "chat_template": lambda v: v is None, "documents": _neutral,
@@ -310,7 +312,7 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def processor_fields(req, vocab_size: int, defaults: dict | None = None) -> dict:
-    """The request's logits processors as protocol.Sampling fields (unset:
+    """The request's logits processors and output options as protocol.Sampling fields (unset:
     the checkpoint's default, else off); logit_bias keys are token ids as
     strings, as OpenAI sends them."""
     out = {}
@@ -329,7 +331,23 @@ def processor_fields(req, vocab_size: int, defaults: dict | None = None) -> dict
         bias.append((token, value))
     out["logit_bias"] = tuple(sorted(bias))
     out["logprobs"] = logprobs_asked(req)
+    out["allowed_token_ids"] = _allowed_token_ids(req.allowed_token_ids, vocab_size)
+    out["include_stop_str_in_output"] = req.include_stop_str_in_output
+    out["skip_special_tokens"] = req.skip_special_tokens
     return out
+
+
+def _allowed_token_ids(ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
+    """vLLM's allowed_token_ids: unset is every token; a set one must name at least one, each in the vocabulary."""
+    if ids is None:
+        return ()
+    if not ids:
+        raise ApiError("allowed_token_ids must name at least one token (leave it unset for all)",
+                       param="allowed_token_ids")
+    if bad := [t for t in ids if not 0 <= t < vocab_size]:
+        raise ApiError(f"allowed_token_ids: {bad[0]} is not a token id in [0, {vocab_size})",
+                       param="allowed_token_ids")
+    return tuple(ids)
 
 
 def logprobs_asked(req) -> int | None:
