@@ -134,3 +134,39 @@ def test_completion_logprobs_through_the_api(served):
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(6)]
     for token, top, chosen in zip(lp["tokens"], lp["top_logprobs"], lp["token_logprobs"]):
         assert len(top) <= 3 and top[token] == pytest.approx(chosen) and max(top.values()) == pytest.approx(chosen)
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(served):
+    """vLLM's return_tokens_as_token_ids: `token_id:<id>` wherever a token is
+    named (chat's token and bytes, the completions API's tokens and
+    top_logprobs keys), whole and streamed; the ids are the answer's own."""
+    import json
+
+    import httpx
+
+    body = {"model": "tiny", "prompt": "One two", "max_tokens": 5, "temperature": 0, "logprobs": 2,
+            "ignore_eos": True, "return_tokens_as_token_ids": True}
+    whole = httpx.post(served.base_url + "/v1/completions", timeout=60, json=body).json()
+    lp = whole["choices"][0]["logprobs"]
+    ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+    assert len(ids) == 5 and all(t.startswith("token_id:") for t in lp["tokens"])
+    text = httpx.post(served.base_url + "/detokenize", json={"model": "tiny", "tokens": ids}, timeout=10).json()
+    assert text["prompt"] == whole["choices"][0]["text"]
+    assert all(set(top) >= {token} and all(k.startswith("token_id:") for k in top)
+               for token, top in zip(lp["tokens"], lp["top_logprobs"]))
+    with httpx.stream("POST", served.base_url + "/v1/completions", timeout=60, json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
+    with httpx.stream("POST", served.base_url + "/v1/completions", timeout=60,
+                      json={**body, "stream": True, "n": 2}) as r:   # n copies: the fan-out keeps the option
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    named = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+             for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert len(named) == 10 and all(t.startswith("token_id:") for t in named)
+    chat = httpx.post(served.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "temperature": 0,
+        "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}).json()
+    for entry in chat["choices"][0]["logprobs"]["content"]:
+        assert entry["token"].startswith("token_id:") and bytes(entry["bytes"]).decode() == entry["token"]

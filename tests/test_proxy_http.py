@@ -42,7 +42,7 @@ REFUSED = {
     "functions": [{"name": "f"}], "function_call": "auto",
     "prompt_logprobs": 1, "best_of": 2,
     "bad_words": ["x"], "truncate_prompt_tokens": 8, "priority": 1,
-    "logits_processors": ["mod.Proc"], "return_tokens_as_token_ids": True,
+    "logits_processors": ["mod.Proc"],
     "continue_final_message": True, "chat_template": "{{ messages }}", "documents": [{"title": "t", "text": "x"}],
     "add_special_tokens": True,
 }

@@ -152,12 +152,12 @@ class SamplingFields(msgspec.Struct):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool | None = None   # logprobs name tokens "token_id:<id>"
     # vLLM's own fields accepted only at their defaults (NOT_YET_SUPPORTED).
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0
     logits_processors: list | None = None
-    return_tokens_as_token_ids: bool | None = None
     # vLLM's: only requests with the same salt share prefix-cached KV blocks.
     cache_salt: str | None = None
 
@@ -196,7 +196,7 @@ NOT_YET_SUPPORTED = {
     "best_of": lambda v: v in (None, 1),
     "echo": _neutral, "suffix": lambda v: not v,
     "bad_words": _neutral, "truncate_prompt_tokens": lambda v: v is None, "priority": _neutral,
-    "logits_processors": _neutral, "return_tokens_as_token_ids": _neutral,
+    "logits_processors": _neutral,
     "continue_final_message": _neutral, "chat_template": lambda v: v is None, "documents": _neutral,
     "add_special_tokens": _neutral,
 }

@@ -37,7 +37,7 @@ def copies(work: Work, n: int) -> list[Work]:
         seeded = msgspec.structs.replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
         jobs = [msgspec.structs.replace(job, job_id=f"{job.job_id}.{i}", request_id=rid) for job in work.jobs]
         out.append(Work(msgspec.structs.replace(request, request_id=rid, sampling=seeded), jobs, work.cost,
-                        work.arrived, work.client_id))
+                        work.arrived, work.client_id, work.tokens_as_ids))
     return out
 
 
@@ -121,7 +121,6 @@ class ManyChoices:
             merged.put_nowait((index, exc))
 
     async def _send_merged(self, stream, req, flights: list[Flight], merged: asyncio.Queue, chat: bool) -> None:
-        tokenizer = self.model.processor.tokenizer
         offsets = [0] * len(flights)
         deltas = [ChatDeltas(stream.tools) for _ in flights]
         done, usage = 0, Usage(self.prompt_tokens_details)
@@ -138,8 +137,8 @@ class ManyChoices:
             chunk["choices"][0]["index"] = index
             if flights[index].work.request.sampling.logprobs is not None:
                 entries = entries_of(delta)
-                found = chat_logprobs(tokenizer, entries) if chat else completion_logprobs(
-                    tokenizer, entries, offsets[index])
+                name = self.token_names(flights[index])
+                found = chat_logprobs(name, entries) if chat else completion_logprobs(name, entries, offsets[index])
                 offsets[index] += 0 if chat else sum(len(t) for t in found["tokens"])
                 chunk["choices"][0]["logprobs"] = found
             if (payload if stream.tools else delta.text) or delta.finished or delta.logprobs:

@@ -32,6 +32,7 @@ class Work:
     cost: int                        # prompt + max new tokens, for load balancing
     arrived: float | None = None     # time.monotonic() at the HTTP request's arrival (None: at submit)
     client_id: str = ""              # the request's X-Request-Id, for the log
+    tokens_as_ids: bool = False      # vLLM's return_tokens_as_token_ids: logprobs name tokens by id
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pipeline.proxy.api_types import ApiError, completion_prompts, parse_body
 from pipeline.proxy.dispatcher import Dispatcher
 from pipeline.proxy.flights import Flight
 from pipeline.proxy.fanout import ManyChoices, copies
-from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
+from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of, token_names
 from pipeline.proxy.media_fetch import FetchPolicy, guarded_session
 from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.request_log import log_aborted, log_finished
@@ -226,9 +226,8 @@ class ProxyApp(ManyChoices):
         choice = response_body("", request[MODEL_NAME_KEY], text, last, chat,
                                request.get(PARSE_TOOLS_KEY, False))["choices"][0]
         if flight.work.request.sampling.logprobs is not None:
-            tokenizer = self.model.processor.tokenizer
-            choice["logprobs"] = (chat_logprobs(tokenizer, entries) if chat else
-                                  completion_logprobs(tokenizer, entries))
+            name = self.token_names(flight)
+            choice["logprobs"] = chat_logprobs(name, entries) if chat else completion_logprobs(name, entries)
         return last, choice
 
     async def _open_stream(self, request, chat) -> _Stream:
@@ -251,7 +250,7 @@ class ProxyApp(ManyChoices):
             if (payload if stream.tools else delta.text) or delta.finished or delta.logprobs:
                 chunk = stream.chunk(payload, deltas.finish_reason(delta.finish_reason) or None, delta.stop_reason)
                 if flight.work.request.sampling.logprobs is not None:
-                    chunk["choices"][0]["logprobs"] = self._chunk_logprobs(stream, delta)
+                    chunk["choices"][0]["logprobs"] = self._chunk_logprobs(stream, flight, delta)
                 await stream.send(chunk)
             if delta.finished:
                 if req.stream_options is not None and req.stream_options.include_usage:
@@ -264,11 +263,15 @@ class ProxyApp(ManyChoices):
         await stream.response.write_eof()
         return stream.response
 
-    def _chunk_logprobs(self, stream: _Stream, delta: protocol.TokenDelta) -> dict:
-        tokenizer = self.model.processor.tokenizer
+    def token_names(self, flight: Flight):
+        """How this flight's logprobs name tokens (logprobs_format.token_names)."""
+        return token_names(self.model.processor.tokenizer, flight.work.tokens_as_ids)
+
+    def _chunk_logprobs(self, stream: _Stream, flight: Flight, delta: protocol.TokenDelta) -> dict:
+        name = self.token_names(flight)
         if stream.chat:
-            return chat_logprobs(tokenizer, entries_of(delta))
-        found = completion_logprobs(tokenizer, entries_of(delta), stream.text_offset)
+            return chat_logprobs(name, entries_of(delta))
+        found = completion_logprobs(name, entries_of(delta), stream.text_offset)
         stream.text_offset += sum(len(t) for t in found["tokens"])
         return found
 
