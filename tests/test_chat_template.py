@@ -36,6 +36,22 @@ def test_chat_template_add_vision_id_matches_reference(template, hf_tok):
     assert template.render(as_openai(MULTI_TURN), add_vision_id=True) == reference
 
 
+@pytest.mark.parametrize("final", ["The answer is", [{"type": "text", "text": "Sure, "}], "  padded words  "])
+def test_continue_final_message_matches_reference(template, hf_tok, final):
+    """transformers' continue_final_message: the prompt ends inside the final
+    message (no end of turn), string or text parts, spaces as the template writes them."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": final}]
+    reference = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                           continue_final_message=True)
+    ours = template.render(messages, add_generation_prompt=False, continue_final_message=True)
+    assert ours == reference and not ours.endswith("<|im_end|>\n")
+    with pytest.raises(ValueError, match="cannot both be set"):
+        template.render(messages, continue_final_message=True)
+    with pytest.raises(ValueError, match="text to continue"):
+        template.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [IMAGE_URL]}],
+                        add_generation_prompt=False, continue_final_message=True)
+
+
 def test_chat_template_drops_none_fields_and_keeps_input(template, hf_tok):
     messages = [
         {"role": "user", "content": "hi", "name": None},

@@ -43,8 +43,7 @@ REFUSED = {
     "prompt_logprobs": 1, "best_of": 2,
     "bad_words": ["x"], "truncate_prompt_tokens": 8, "priority": 1,
     "logits_processors": ["mod.Proc"],
-    "continue_final_message": True, "chat_template": "{{ messages }}", "documents": [{"title": "t", "text": "x"}],
-    "add_special_tokens": True,
+    "chat_template": "{{ messages }}", "documents": [{"title": "t", "text": "x"}],
 }
 
 
@@ -61,7 +60,7 @@ def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
     with pytest.raises(api.ApiError, match="'echo'"):
         parse_body(json.dumps(chat_body(echo=True)).encode(), "chat")
     neutral = dict(tools=[], tool_choice="none", logprobs=False, top_logprobs=0,
-                   best_of=1, parallel_tool_calls=True, priority=0, continue_final_message=False)
+                   best_of=1, parallel_tool_calls=True, priority=0)
     parse_body(json.dumps(chat_body(**neutral)).encode(), "chat")
     for field, value in (("echo", True), ("suffix", "tail"), ("tools", [{"type": "function"}]),
                          ("tool_choice", "auto")):
@@ -275,6 +274,13 @@ def test_tokenize_detokenize_and_version(tiny_dir, tmp_path):
         media = await client.post("/tokenize", json={"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
         assert media.status == 400 and "text messages only" in (await media.json())["error"]["message"]
+        turns = [*messages, {"role": "assistant", "content": "Well"}]
+        continued = await (await client.post("/tokenize", json={
+            "messages": turns, "add_generation_prompt": False, "continue_final_message": True})).json()
+        assert continued["tokens"] == processor.tokenizer.encode(processor.template.render(
+            turns, add_generation_prompt=False, continue_final_message=True))
+        clash = await client.post("/tokenize", json={"messages": turns, "continue_final_message": True})
+        assert clash.status == 400 and "cannot both be set" in (await clash.json())["error"]["message"]
         version = await (await client.get("/version")).json()
         assert version["version"]
 

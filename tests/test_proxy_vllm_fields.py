@@ -163,3 +163,48 @@ def test_vllm_output_options_reach_the_sampling_and_bad_allowed_ids_are_400s(tin
         with pytest.raises(api.ApiError, match=re.escape(says)) as caught:
             sampling(allowed_token_ids=ids)
         assert caught.value.param == "allowed_token_ids" and caught.value.status == 400
+
+
+def test_continue_final_message_and_add_special_tokens_shape_the_prompt(tiny_dir, tmp_path):
+    """A checkpoint whose tokenizer puts a BOS (here <|im_start|>) before
+    every text: vLLM's add_special_tokens adds it (default on for
+    completions, off for chat); continue_final_message ends the prompt
+    inside the final message."""
+    import json
+    import shutil
+
+    import pipeline.proxy.api_types as api
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo, chat_work
+
+    folder = shutil.copytree(tiny_dir, tmp_path / "bos")
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    bos = next(t["id"] for t in spec["added_tokens"] if t["content"] == "<|im_start|>")
+    spec["post_processor"] = {"type": "TemplateProcessing",
+                              "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [bos],
+                                                                  "tokens": ["<|im_start|>"]}}}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    model = ModelInfo("tiny", Processor.from_checkpoint(folder, image_token_id=0), 512, b"salt")
+    tokenizer = model.processor.tokenizer
+
+    def ids(kind: str, **fields) -> list[int]:
+        req = parse_body(json.dumps(fields).encode(), kind)
+        made = (completion_work(req, model, "r", "inproc://proxy", req.prompt) if kind == "completion"
+                else chat_work(req, model, None, "r", "inproc://proxy"))
+        return list(asyncio.run(made).request.prompt_token_ids)
+
+    words = tokenizer.encode("one two")
+    assert ids("completion", prompt="one two") == [bos, *words]
+    assert ids("completion", prompt="one two", add_special_tokens=False) == words
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+    plain = ids("chat", messages=turns, add_generation_prompt=False)
+    assert ids("chat", messages=turns, add_generation_prompt=False, add_special_tokens=True) == [bos, *plain]
+    continued = ids("chat", messages=turns, add_generation_prompt=False, continue_final_message=True)
+    assert tokenizer.decode(continued, skip_special_tokens=False).endswith("assistant\nThe answer is")
+    assert plain[:len(continued)] == continued and len(plain) > len(continued)   # the end of turn went
+    with pytest.raises(api.ApiError, match="add_generation_prompt false") as caught:
+        ids("chat", messages=turns, continue_final_message=True)
+    assert caught.value.param == "continue_final_message" and caught.value.status == 400

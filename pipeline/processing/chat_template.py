@@ -189,6 +189,23 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
     return message
 
 
+def _cut_after_final_message(text: str, message: Mapping[str, Any]) -> str:
+    """The rendered prompt up to the end of the final message's text (its
+    last text part), as transformers cuts it: what the template writes after
+    it (the end of the turn) goes."""
+    final = message.get("content")
+    if isinstance(final, list):
+        final = next((part.get("text") for part in reversed(final)
+                      if isinstance(part, Mapping) and isinstance(part.get("text"), str)), None)
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a final message with text to continue")
+    for needle in (final, final.strip()):   # a template may strip the text it writes
+        at = text.rfind(needle)
+        if at >= 0:
+            return text[:at + len(needle)]
+    raise ValueError("continue_final_message: the chat template does not write the final message's text as given")
+
+
 def _names_read(tree: nodes.Template) -> frozenset[str]:
     """Every variable, attribute and constant key the template reads."""
     names = {node.name for node in tree.find_all(nodes.Name)}
@@ -257,14 +274,20 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Render OpenAI-style messages to the prompt string.
 
         Extra keyword arguments (e.g. add_vision_id=True) become template
-        variables and override the special tokens of the same name. Raises
-        ValueError for an empty conversation and jinja2.TemplateError when the
-        template rejects the messages (raise_exception).
+        variables and override the special tokens of the same name.
+        `continue_final_message` (transformers' and vLLM's): the prompt ends
+        where the final message's text does, without the end of its turn, so
+        the model goes on writing that message (a prefilled answer); it
+        needs add_generation_prompt off. Raises ValueError for an empty
+        conversation or a final message the prompt does not end with, and
+        jinja2.TemplateError when the template rejects the messages
+        (raise_exception).
         """
         if not messages:
             raise ValueError("cannot render an empty conversation: give at least one message")
@@ -272,12 +295,15 @@ class ChatTemplate:
             raise TypeError("tools must be JSON-schema dicts")
         if documents is not None and not all(isinstance(doc, Mapping) for doc in documents):
             raise TypeError("documents must be dicts with 'title' and 'text' keys")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         chat = [_normalize_message(message, i) for i, message in enumerate(messages)]
         variables = _plain_data({**self._special_tokens, **template_kwargs})
-        return self._compiled[self._pick(tools)].render(
+        text = self._compiled[self._pick(tools)].render(
             messages=_plain_data(chat),
             tools=_plain_data(tools),
             documents=_plain_data(documents),
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
+        return _cut_after_final_message(text, chat[-1]) if continue_final_message else text

@@ -78,24 +78,26 @@ class Processor:
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], image_sizes: Sequence[tuple[int, int]],
                     videos: Sequence[VideoPlan] = (), tools: Sequence[Mapping[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, template_kwargs: Mapping[str, Any] | None = None
-                    ) -> MultimodalPrompt:
+                    add_generation_prompt: bool = True, template_kwargs: Mapping[str, Any] | None = None,
+                    continue_final_message: bool = False, add_special_tokens: bool = False) -> MultimodalPrompt:
         """Token ids for a chat whose image parts, in order, have these
         (height, width) sizes and whose video parts these plans
         (processing.video.plan_video); the generation prompt is added unless
         `add_generation_prompt` is off. `tools`: the chat template's tools
-        (function definitions); `template_kwargs`: more template variables."""
+        (function definitions); `template_kwargs`: more template variables;
+        `continue_final_message`: see ChatTemplate.render; `add_special_tokens`:
+        the tokenizer's own (a BOS) around the rendered text."""
         if videos and self.video is None:
             raise ValueError("this model takes no video")
         grids = [self.image_grid(h, w) for h, w in image_sizes]
         merge = self.image_config.merge_size ** 2
         counts = [t * h * w // merge for t, h, w in grids]
         text = self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                    **(template_kwargs or {}))
+                                    continue_final_message=continue_final_message, **(template_kwargs or {}))
         if self.video is not None:
             text = label_video_text(text, videos, self.tokenizer, self.video)
-        ids = expand_media_placeholders(self.tokenizer.encode(text), counts, videos, self.image_token_id,
-                                        self.video)
+        ids = expand_media_placeholders(self.tokenizer.encode(text, add_special_tokens), counts, videos,
+                                        self.image_token_id, self.video)
         items = [(grids[i], None) if kind == "image" else (tuple(videos[i].grid), videos[i].seconds_per_step)
                  for kind, i in ids.items]
         return MultimodalPrompt(ids.token_ids, ids.spans, [g for g, _ in items],

@@ -178,10 +178,12 @@ class Tokenizer:
         """The tokenizer as tokenizer.json holds it (for the grammar matchers)."""
         return self._backend.to_str()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The text's ids; with add_special_tokens, those the tokenizer's post-processor
+        adds around it (a BOS, say: none for Qwen's)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=False).ids
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -169,17 +169,21 @@ class ChatCompletionRequest(SamplingFields):
     # whether it ends with the assistant's turn opened.
     chat_template_kwargs: dict[str, object] | None = None
     add_generation_prompt: bool = True
-    # Accepted only at their defaults.
+    # vLLM's: the prompt ends inside the final message, which the model goes
+    # on writing; and the tokenizer's own special tokens (a BOS) around the
+    # rendered prompt, which the template usually writes itself.
     continue_final_message: bool = False
+    add_special_tokens: bool = False
+    # Accepted only at their defaults.
     chat_template: str | None = None
     documents: list | None = None
-    add_special_tokens: bool = False
     echo: bool = False
 
 
 class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16   # the legacy API's default (OpenAI's and vLLM's); null: as chat
     prompt: str | list | None = None   # a string or token ids, or a batch of either (completion_prompts)
+    add_special_tokens: bool = True    # vLLM's: the tokenizer's own (a BOS) around a text prompt
     echo: bool = False
     suffix: str | None = None
 
@@ -197,8 +201,7 @@ NOT_YET_SUPPORTED = {
     "echo": _neutral, "suffix": lambda v: not v,
     "bad_words": _neutral, "truncate_prompt_tokens": lambda v: v is None, "priority": _neutral,
     "logits_processors": _neutral,
-    "continue_final_message": _neutral, "chat_template": lambda v: v is None, "documents": _neutral,
-    "add_special_tokens": _neutral,
+    "chat_template": lambda v: v is None, "documents": _neutral,
 }
 # Template variables the server sets itself: chat_template_kwargs may not.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
@@ -263,6 +266,9 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
                        param="chat_template_kwargs")
     if kind == "chat" and not request.messages:
         raise ApiError("messages must be a non-empty list", param="messages")
+    if kind == "chat" and request.continue_final_message and request.add_generation_prompt:
+        raise ApiError("continue_final_message needs add_generation_prompt false: the answer goes on from the "
+                       "final message, not from a new turn", param="continue_final_message")
     return request   # a completion's prompt: completion_prompts, where the prompts are used
 
 

@@ -100,7 +100,8 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
         # Inline, not in a thread: rendering and tokenizing a prompt takes far
         # less than a thread hop costs under the GIL.
         prompt = model.processor.chat_prompt(messages, sizes, plans, tools.template_tools,
-                                             req.add_generation_prompt, req.chat_template_kwargs)
+                                             req.add_generation_prompt, req.chat_template_kwargs,
+                                             req.continue_final_message, req.add_special_tokens)
     except (ValueError, jinja2.TemplateError) as exc:
         raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
     # Items in prompt order are the media in message order.
@@ -114,7 +115,7 @@ async def completion_work(req: CompletionRequest, model: ModelInfo, request_id: 
                           prompt: str | list[int]) -> Work:
     """One prompt of the request (completion_prompts) as work for a generator."""
     if isinstance(prompt, str):
-        ids = model.processor.tokenizer.encode(prompt)
+        ids = model.processor.tokenizer.encode(prompt, req.add_special_tokens)
     else:
         ids = list(prompt)
         vocab = model.processor.tokenizer.vocab_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
+import jinja2
 import msgspec
 from aiohttp import web
 
@@ -16,8 +17,9 @@ class TokenizeRequest(msgspec.Struct):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True      # accepted; our tokenizers add none to plain text
+    add_special_tokens: bool | None = None   # vLLM's defaults: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list | None = None            # function definitions for the chat template
 
 
@@ -44,7 +46,7 @@ def tokenize_handler(model: ModelInfo):
         if (req.prompt is None) == (req.messages is None):
             raise ApiError("send exactly one of 'prompt' and 'messages'", param="prompt")
         if req.prompt is not None:
-            tokens = model.processor.tokenizer.encode(req.prompt)
+            tokens = model.processor.tokenizer.encode(req.prompt, req.add_special_tokens is not False)
         else:
             messages, media = plain_messages(req.messages)
             if media:
@@ -52,9 +54,13 @@ def tokenize_handler(model: ModelInfo):
                                param="messages")
             tools = tool_request(req)
             check_template_takes(model.processor.template, tools, messages)
-            text = model.processor.template.render(messages, add_generation_prompt=req.add_generation_prompt,
-                                                   tools=tools.template_tools)
-            tokens = model.processor.tokenizer.encode(text)
+            try:
+                text = model.processor.template.render(messages, add_generation_prompt=req.add_generation_prompt,
+                                                       tools=tools.template_tools,
+                                                       continue_final_message=req.continue_final_message)
+            except (ValueError, jinja2.TemplateError) as exc:
+                raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
+            tokens = model.processor.tokenizer.encode(text, bool(req.add_special_tokens))
         return web.json_response({"count": len(tokens), "max_model_len": model.max_context, "tokens": tokens})
 
     return tokenize
