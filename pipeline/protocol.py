@@ -202,6 +202,7 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     allowed_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
 
 class GenerateRequest(_Msg, tag="generate"):
@@ -257,6 +258,9 @@ class TokenDelta(_Msg, tag="delta"):
     phases: tuple[float, ...] = ()
     # On the last delta: prompt tokens whose KV came from the prefix cache (usage's cached_tokens).
     cached_tokens: int = 0
+    # On the first delta, when the request asked (prompt_logprobs): per prompt
+    # token from the second on, (token, logprob, rank, top ids, their logprobs).
+    prompt_logprobs: tuple[tuple[int, float, int, tuple[int, ...], tuple[float, ...]], ...] = ()
 
 
 class AbortRequest(_Msg, tag="abort"):

@@ -49,6 +49,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()   # (): any; else every other token is cut (engine/sampler.py)
     include_stop_str_in_output: bool = False  # the stop string, or the stop token's text, ends the text
     skip_special_tokens: bool = True          # special tokens' text left out (the detokenizer's option)
+    prompt_logprobs: int | None = None        # None: none; k: each prompt token's and the top k (engine/prompt_logprobs.py)
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1)
@@ -94,7 +95,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.grammar, str):
             raise ValueError(f"grammar must be a str, got {type(self.grammar).__name__}")
-        if self.logprobs is not None:
-            check_int("logprobs", self.logprobs, 0)
-            if self.logprobs > MAX_TOP_LOGPROBS:
-                raise ValueError(f"at most {MAX_TOP_LOGPROBS} top logprobs, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 0)
+                if getattr(self, name) > MAX_TOP_LOGPROBS:
+                    raise ValueError(f"at most {MAX_TOP_LOGPROBS} top {name}, got {getattr(self, name)}")

@@ -170,3 +170,37 @@ def test_return_tokens_as_token_ids_names_each_token_by_its_id(served):
         "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}).json()
     for entry in chat["choices"][0]["logprobs"]["content"]:
         assert entry["token"].startswith("token_id:") and bytes(entry["bytes"]).decode() == entry["token"]
+
+
+def test_prompt_logprobs_through_the_api_equal_the_reference(served, reference):
+    """vLLM's prompt_logprobs: per choice on text completions, once at the
+    top of a chat response; None for the first token, then the token and
+    the top k by id, with ranks; not with stream."""
+    import httpx
+
+    body = {"model": "tiny", "prompt": "One two three four", "max_tokens": 2, "temperature": 0, "n": 2,
+            "prompt_logprobs": 2}
+    reply = httpx.post(served.base_url + "/v1/completions", timeout=60, json=body).json()
+    ids = httpx.post(served.base_url + "/tokenize", json={"model": "tiny", "prompt": body["prompt"]},
+                     timeout=10).json()["tokens"]
+    with torch.no_grad():
+        expected = reference.model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+    for choice in reply["choices"]:
+        found = choice["prompt_logprobs"]
+        assert len(found) == len(ids) and found[0] is None
+        for position, entry in enumerate(found[1:], start=1):
+            token, row = ids[position], expected[position - 1]
+            mine = entry[str(token)]
+            assert abs(mine["logprob"] - row[token].item()) <= 1e-4 and mine["rank"] == int((row >= row[token]).sum())
+            top = row.topk(2).indices.tolist()
+            assert all(entry[str(t)]["rank"] == (top.index(t) + 1 if t != token else mine["rank"]) for t in top)
+            assert set(entry) == {str(token), *map(str, top)}
+    chat = httpx.post(served.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert "prompt_logprobs" not in chat["choices"][0] and chat["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in httpx.post(served.base_url + "/v1/completions", timeout=60,
+                                               json={**body, "prompt_logprobs": None}).json()["choices"][0]
+    for extra, says in ((dict(stream=True), "stream"), (dict(prompt_logprobs=21), "[0, 20]")):
+        refused = httpx.post(served.base_url + "/v1/completions", timeout=60, json={**body, **extra})
+        assert refused.status_code == 400 and says in refused.json()["error"]["message"]

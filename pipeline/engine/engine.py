@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -24,6 +24,7 @@ from pipeline.engine.output import RequestOutput, Resumed, TextState
 from pipeline.engine.pacing import PrefillPacer, prefill_allowed
 from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.engine.plan import FinishedRequest, SchedulerConfig
+from pipeline.engine.prompt_logprobs import PromptLogprob
 from pipeline.engine.request import ImageSpan, Request, RequestStatus
 from pipeline.sampling_params import SamplingParams
 from pipeline.models.spec import span_rows
@@ -56,6 +57,8 @@ class _Live:
     earlier_output: tuple[int, ...] = ()   # tokens produced before a move here (Resumed), counted as output
     stop_token_ids: frozenset[int] = frozenset()   # asked for; they, not EOS, name a stop_reason
     phases: RequestPhases = field(default_factory=RequestPhases)
+    # Asked for and not yet sent (with the first token): by position of the scored token.
+    prompt_logprobs: dict[int, PromptLogprob] | None = None
 
 
 class Engine:
@@ -145,6 +148,9 @@ class Engine:
         if len(image_keys) != len(prompt.image_spans):
             raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
         self._check_tokens(params)
+        if resumed and params.prompt_logprobs is not None:
+            # Its prompt's logprobs went out with its first token, before the move.
+            params = replace(params, prompt_logprobs=None)
         rows = span_rows(self.model.spec, prompt.grids, prompt.image_spans)
         spans = tuple(ImageSpan(start, length, key, r.offset, r.item_tokens)
                       for (start, length), key, r in zip(prompt.image_spans, image_keys, rows))
@@ -169,7 +175,8 @@ class Engine:
         self.scheduler.add_request(request)
         self.live[request_id] = _Live(PromptGeometry(positions, delta), text, make_generator(params, len(earlier)),
                                       inputs, matcher=matcher, earlier_output=earlier,
-                                      stop_token_ids=frozenset(params.stop_token_ids) - eos_named)
+                                      stop_token_ids=frozenset(params.stop_token_ids) - eos_named,
+                                      prompt_logprobs=None if params.prompt_logprobs is None else {})
 
     def _check_tokens(self, params: SamplingParams) -> None:
         """The token ids a request names, against this model: ValueError (a 400)
@@ -311,9 +318,11 @@ class Engine:
                 for chunk in plan.chunks:
                     self.live[chunk.request_id].phases.on_scheduled(started)
                 requests = {c.request_id: self.scheduler.get_request(c.request_id) for c in plan.chunks}
+                wanting = {rid: self.live[rid].prompt_logprobs for rid in requests
+                           if self.live[rid].prompt_logprobs is not None}
                 due, logits = self.runner.execute(plan, requests, {c.request_id: self.live[c.request_id].geometry
                                                                    for c in plan.chunks},
-                                                  self.scheduler.encoder_cache.get)
+                                                  self.scheduler.encoder_cache.get, prompt_logprobs=wanting)
                 # On a GPU the forward is only queued so far. The grammar masks need
                 # only the tokens consumed already: the host fills them now, before
                 # the first read that waits for the logits (in choose()).
@@ -396,9 +405,13 @@ class Engine:
         delta = live.text.push(token) if keep else ""
         if finished is None and (live.text.stopped or (live.matcher is not None and live.matcher.is_stopped())):
             finished = self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
+        prompt_logprobs = ()
+        if live.prompt_logprobs is not None:   # the first token: the prompt is all computed
+            prompt_logprobs, live.prompt_logprobs = tuple(v for _, v in sorted(live.prompt_logprobs.items())), None
         if finished is None:
             return RequestOutput(request_id, (token,), delta, num_prompt_tokens=request.num_prompt_tokens,
-                                 num_output_tokens=request.num_output_tokens, logprobs=chosen)
+                                 num_output_tokens=request.num_output_tokens, logprobs=chosen,
+                                 prompt_logprobs=prompt_logprobs)
         delta += live.text.finish()
         self._forget(request_id)
         # A stop string the last allowed token completed ends it as "stop", not "length".
@@ -408,4 +421,4 @@ class Engine:
         return RequestOutput(request_id, (token,), delta, True, reason,
                              finished.num_prompt_tokens, len(finished.output_token_ids), logprobs=chosen,
                              phases=live.phases.durations(time.monotonic()), stop_reason=stop_reason,
-                             num_cached_tokens=finished.num_cached_tokens)
+                             num_cached_tokens=finished.num_cached_tokens, prompt_logprobs=prompt_logprobs)

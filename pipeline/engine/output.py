@@ -33,6 +33,7 @@ class RequestOutput:
     logprobs: tuple = ()   # engine/logprobs.py's TokenLogprobs per new token, when asked for
     stop_reason: str | int | None = None   # on the last, as vLLM: the stop string or stop token id that ended it
     phases: tuple[float, ...] = ()   # on the last: (queue, prefill, decode) seconds (engine/request_phases.py)
+    prompt_logprobs: tuple = ()   # on the first, when asked: engine/prompt_logprobs.py's entries, in prompt order
 
 
 @dataclass(frozen=True)

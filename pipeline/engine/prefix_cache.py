@@ -186,6 +186,8 @@ class PrefixCache:
             raise ValueError(f"request {request.request_id} already has KV")
         names = self._names_of(request)
         usable = min(len(names), (request.num_tokens - 1) // self.block_size)
+        if request.sampling_params.prompt_logprobs is not None:
+            usable = 0   # its prompt's logprobs need every position computed (engine/prompt_logprobs.py)
         blocks = self.pool.take_cached(names[:usable])
         if blocks:
             request.block_ids.extend(blocks)

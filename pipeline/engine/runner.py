@@ -14,6 +14,7 @@ from pipeline.engine.mixed_attention import MixedStepAttention
 from pipeline.engine.mixed_graphs import MixedGraphs
 from pipeline.engine.paged_attention import PagedKVCache, ReferencePagedAttention, SequenceSlice, StepLayout
 from pipeline.engine.plan import Chunk, StepPlan
+from pipeline.engine.prompt_logprobs import PromptLogprob, chunk_prompt_logprobs
 from pipeline.engine.request import Request
 from pipeline.models.spec import splice_rows
 
@@ -52,11 +53,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, requests: dict[str, Request], geometry: dict[str, PromptGeometry],
-                embeddings, device_tokens: torch.Tensor | None = None) -> tuple[list[Chunk], torch.Tensor]:
+                embeddings, device_tokens: torch.Tensor | None = None,
+                prompt_logprobs: dict[str, dict[int, PromptLogprob]] | None = None) -> tuple[list[Chunk], torch.Tensor]:
         """Run the plan's chunks; returns the chunks due a sample and their
         logits rows [n, vocab]. `embeddings(key)` gives a cached image
         embedding. `device_tokens`: a fast decode plan's input tokens, still
-        on the device (see DecodeGraphs.run)."""
+        on the device (see DecodeGraphs.run). `prompt_logprobs`: for the
+        requests that still want their prompt's logprobs, where this step's
+        prompt chunks add theirs (engine/prompt_logprobs.py)."""
         if self.is_fast_decode(plan, requests):
             return plan.chunks, self._decode(plan, requests, geometry, device_tokens)
         if device_tokens is not None:
@@ -78,7 +82,9 @@ class ModelRunner:
         # A chunk that covers part of an image takes the same rows of its
         # embedding, side levels included.
         pieces = [(at, embeddings(key)[first:first + count]) for at, key, first, count in splices]
-        if self.mixed is not None:
+        scored = [(c, s) for c, s in zip(plan.chunks, slices) if c.request_id in (prompt_logprobs or {})
+                  and c.start < requests[c.request_id].num_prompt_tokens - 1]
+        if self.mixed is not None and not scored:
             return due, self.mixed.run(ids, positions.tensor(), slices, pieces, rows)
         embeds = self.model.embed(torch.tensor(ids, device=self.device))
         side = splice_rows(self.model.spec, embeds, pieces)
@@ -87,6 +93,11 @@ class ModelRunner:
         # backend is what the equality tests pin.
         backend = MixedStepAttention if self.decode is not None else ReferencePagedAttention
         hidden = self.model(embeds, positions.tensor().to(self.device), backend(self.kv_cache, layout), side)
+        for chunk, piece in scored:
+            request = requests[chunk.request_id]
+            prompt_logprobs[chunk.request_id].update(chunk_prompt_logprobs(
+                self.model, hidden, piece.offset, chunk.start, chunk.end, request.prompt_token_ids,
+                request.sampling_params.prompt_logprobs))
         logits = self.model.logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
         return due, logits
 

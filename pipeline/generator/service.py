@@ -262,7 +262,8 @@ class GeneratorService:
         self.send(tracked.reply_to, protocol.TokenDelta(
             output.request_id, output.new_token_ids, output.new_text, output.finished,
             output.finish_reason or "", output.num_prompt_tokens, output.num_output_tokens, logprobs=output.logprobs,
-            phases=output.phases, stop_reason=output.stop_reason, cached_tokens=output.num_cached_tokens))
+            phases=output.phases, stop_reason=output.stop_reason, cached_tokens=output.num_cached_tokens,
+            prompt_logprobs=output.prompt_logprobs))
 
     # ------------------------------------------------------------ periodic
 

@@ -132,6 +132,7 @@ class SamplingFields(msgspec.Struct):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
+    prompt_logprobs: int | None = None   # vLLM's: each prompt token's logprob and the top k (not streamed)
     # Structured output in vLLM's forms (proxy/structured.py).
     structured_outputs: StructuredOutputs | None = None
     guided_json: str | dict | None = None
@@ -142,7 +143,6 @@ class SamplingFields(msgspec.Struct):
     # Accepted only at their neutral values (see NOT_YET_SUPPORTED).
     functions: list | None = None
     function_call: str | dict | None = None
-    prompt_logprobs: int | None = None
     best_of: int | None = None
     # vLLM's output options (SamplingParams says what each does). The
     # byte-level tokenizers served here decode consecutive special tokens
@@ -196,7 +196,6 @@ def _neutral(value) -> bool:
 # field -> whether a value of it asks for nothing this server would ignore.
 NOT_YET_SUPPORTED = {
     "functions": _neutral, "function_call": lambda v: v in (None, "none"),   # the legacy form of tools
-    "prompt_logprobs": _neutral,
     "best_of": lambda v: v in (None, 1),
     "echo": _neutral, "suffix": lambda v: not v,
     "bad_words": _neutral, "truncate_prompt_tokens": lambda v: v is None, "priority": _neutral,
@@ -338,9 +337,23 @@ def processor_fields(req, vocab_size: int, defaults: dict | None = None) -> dict
     out["logit_bias"] = tuple(sorted(bias))
     out["logprobs"] = logprobs_asked(req)
     out["allowed_token_ids"] = _allowed_token_ids(req.allowed_token_ids, vocab_size)
+    out["prompt_logprobs"] = _prompt_logprobs_asked(req)
     out["include_stop_str_in_output"] = req.include_stop_str_in_output
     out["skip_special_tokens"] = req.skip_special_tokens
     return out
+
+
+def _prompt_logprobs_asked(req) -> int | None:
+    """vLLM's prompt_logprobs: 0 to 20 top entries per prompt token, not with
+    stream (as vLLM: they are not streamed)."""
+    asked = req.prompt_logprobs
+    if asked is None:
+        return None
+    if req.stream:
+        raise ApiError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+    if not 0 <= asked <= 20:
+        raise ApiError(f"prompt_logprobs must be in [0, 20], got {asked}", param="prompt_logprobs")
+    return asked
 
 
 def _allowed_token_ids(ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import msgspec
 from aiohttp import web
@@ -23,7 +24,7 @@ from pipeline.proxy.api_types import ApiError
 from pipeline.proxy.flights import Flight, Work
 from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
 from pipeline.proxy.request_log import log_aborted
-from pipeline.proxy.responses import ChatDeltas, Usage, error_response, response_body
+from pipeline.proxy.responses import ChatDeltas, Usage, error_response, prompt_logprobs_at_top, response_body
 
 
 def copies(work: Work, n: int) -> list[Work]:
@@ -36,8 +37,8 @@ def copies(work: Work, n: int) -> list[Work]:
         rid = f"{request.request_id}.{i}"
         seeded = msgspec.structs.replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
         jobs = [msgspec.structs.replace(job, job_id=f"{job.job_id}.{i}", request_id=rid) for job in work.jobs]
-        out.append(Work(msgspec.structs.replace(request, request_id=rid, sampling=seeded), jobs, work.cost,
-                        work.arrived, work.client_id, work.tokens_as_ids))
+        out.append(replace(work, request=msgspec.structs.replace(request, request_id=rid, sampling=seeded),
+                           jobs=jobs))
     return out
 
 
@@ -91,7 +92,7 @@ class ManyChoices:
         body = response_body(response_id(request, chat), request[MODEL_NAME_KEY], "", firsts[0], chat)
         body["choices"] = choices
         body["usage"] = usage.body()
-        return web.json_response(body)
+        return web.json_response(prompt_logprobs_at_top(body) if chat else body)
 
     async def _stream_many(self, request, req, flights: list[Flight], firsts, chat: bool):
         stream = await self._open_stream(request, chat)

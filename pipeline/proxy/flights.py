@@ -33,6 +33,7 @@ class Work:
     arrived: float | None = None     # time.monotonic() at the HTTP request's arrival (None: at submit)
     client_id: str = ""              # the request's X-Request-Id, for the log
     tokens_as_ids: bool = False      # vLLM's return_tokens_as_token_ids: logprobs name tokens by id
+    prompt_logprobs: bool = False    # the response carries vLLM's prompt_logprobs
 
 
 @dataclass

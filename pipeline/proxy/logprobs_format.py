@@ -54,3 +54,16 @@ def _top_dict(name: TokenNames, ids: tuple[int, ...], values: tuple[float, ...])
     for token, value in zip(ids, values):
         out.setdefault(name(token), value)
     return out
+
+
+def prompt_logprobs(name: TokenNames, entries) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token (nothing comes
+    before it), then for each token {id: {"logprob", "rank",
+    "decoded_token"}} for it and the top k (ranks 1 .. k)."""
+    out: list[dict | None] = [None]
+    for token, logprob, rank, ids, values in entries:
+        item = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": name(token)}}
+        for i, (top, value) in enumerate(zip(ids, values)):
+            item.setdefault(str(top), {"logprob": value, "rank": i + 1, "decoded_token": name(top)})
+        out.append(item)
+    return out

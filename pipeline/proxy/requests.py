@@ -230,7 +230,8 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
                                item.kind, fps if item.kind == "video" else None,
                                frames if item.kind == "video" else None)
             for i, (item, tokens) in enumerate(zip(items, item_tokens))]
-    return Work(request, jobs, len(ids) + max_tokens, tokens_as_ids=bool(req.return_tokens_as_token_ids))
+    return Work(request, jobs, len(ids) + max_tokens, tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                prompt_logprobs=req.prompt_logprobs is not None)
 
 
 def _cache_salt(req) -> str:

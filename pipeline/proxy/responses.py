@@ -66,6 +66,15 @@ def response_body(rid, model_id, text, last, chat, tools: bool = False, details:
             "model": model_id, "choices": [choice], "usage": usage_of(last, details)}
 
 
+def prompt_logprobs_at_top(body: dict) -> dict:
+    """Chat's prompt_logprobs, as vLLM places them: once for the response
+    (its choices share the prompt), not per choice as text completions'."""
+    found = [choice.pop("prompt_logprobs") for choice in body["choices"] if "prompt_logprobs" in choice]
+    if found:
+        body["prompt_logprobs"] = found[0]
+    return body
+
+
 def tool_finish(reason: str) -> str:
     """An answer with tool calls that the model ended itself ends for them."""
     return "tool_calls" if reason == "stop" else reason

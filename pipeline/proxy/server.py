@@ -18,12 +18,13 @@ from pipeline.proxy.api_types import ApiError, completion_prompts, parse_body
 from pipeline.proxy.dispatcher import Dispatcher
 from pipeline.proxy.flights import Flight
 from pipeline.proxy.fanout import ManyChoices, copies
-from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of, token_names
+from pipeline.proxy.logprobs_format import (chat_logprobs, completion_logprobs, entries_of, prompt_logprobs,
+                                            token_names)
 from pipeline.proxy.media_fetch import FetchPolicy, guarded_session
 from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.request_log import log_aborted, log_finished
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
-from pipeline.proxy.responses import ChatDeltas, error_response, response_body, usage_of
+from pipeline.proxy.responses import ChatDeltas, error_response, prompt_logprobs_at_top, response_body, usage_of
 from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
 from pipeline.proxy.tools import tool_request
 
@@ -214,20 +215,23 @@ class ProxyApp(ManyChoices):
         body = response_body(response_id(request, chat), request[MODEL_NAME_KEY], "", last, chat,
                              details=self.prompt_tokens_details)
         body["choices"] = [choice]
-        return web.json_response(body)
+        return web.json_response(prompt_logprobs_at_top(body) if chat else body)
 
     async def _choice(self, request, flight, delta, chat) -> tuple[protocol.TokenDelta, dict]:
         """Read a flight to its end: (its last delta, its choice of the answer)."""
-        text, last, entries = delta.text, delta, entries_of(delta)
+        text, last, entries, prompt_entries = delta.text, delta, entries_of(delta), delta.prompt_logprobs
         while not last.finished:
             last = await self._next(flight)
             text += last.text
             entries += entries_of(last)
+            prompt_entries = prompt_entries or last.prompt_logprobs
         choice = response_body("", request[MODEL_NAME_KEY], text, last, chat,
                                request.get(PARSE_TOOLS_KEY, False))["choices"][0]
         if flight.work.request.sampling.logprobs is not None:
             name = self.token_names(flight)
             choice["logprobs"] = chat_logprobs(name, entries) if chat else completion_logprobs(name, entries)
+        if flight.work.prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprobs(self.token_names(flight), prompt_entries)
         return last, choice
 
     async def _open_stream(self, request, chat) -> _Stream:
