@@ -1,7 +1,9 @@
 """Log-probabilities against transformers (CPU, float32, the tiny
 checkpoint): the chosen token's and the top 5 of greedy chat equal the
 reference model's log_softmax within 1e-4, from the engine and through the
-served stack (openai SDK, chat streamed and not, completions' shape)."""
+served stack (openai SDK, chat streamed and not, completions' shape); and
+through the stack, vLLM's return_tokens_as_token_ids, prompt_logprobs and
+echo."""
 
 from __future__ import annotations
 
@@ -204,3 +206,56 @@ def test_prompt_logprobs_through_the_api_equal_the_reference(served, reference):
     for extra, says in ((dict(stream=True), "stream"), (dict(prompt_logprobs=21), "[0, 20]")):
         refused = httpx.post(served.base_url + "/v1/completions", timeout=60, json={**body, **extra})
         assert refused.status_code == 400 and says in refused.json()["error"]["message"]
+
+
+def test_echo_repeats_the_input_with_its_logprobs(served, reference):
+    """vLLM's echo: a text completion starts with its prompt, and with
+    logprobs the prompt's tokens lead the lists (the first with none, the
+    others with their logprob under the model); streamed (n = 1 and 2) it
+    adds up to the same; chat repeats a final assistant message."""
+    import json
+
+    import httpx
+
+    url = served.base_url
+    body = {"model": "tiny", "prompt": "One two three", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(url + "/v1/completions", timeout=60, json=body).json()["choices"][0]["text"]
+    echoed = httpx.post(url + "/v1/completions", timeout=60, json={**body, "echo": True, "logprobs": 2}).json()
+    choice = echoed["choices"][0]
+    assert choice["text"] == "One two three" + plain
+    lp = choice["logprobs"]
+    ids = httpx.post(url + "/tokenize", json={"prompt": body["prompt"]}, timeout=10).json()["tokens"]
+    assert "".join(lp["tokens"]) == choice["text"] and len(lp["tokens"]) == len(ids) + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    with torch.no_grad():
+        expected = reference.model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+    for position in range(1, len(ids)):
+        token = ids[position]
+        assert abs(lp["token_logprobs"][position] - expected[position - 1, token].item()) <= 1e-4
+        assert lp["tokens"][position] in lp["top_logprobs"][position]
+    for n in (1, 2):
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={**body, "echo": True, "logprobs": 2, "stream": True, "n": n}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        for index in range(n):
+            mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+            assert "".join(c["text"] for c in mine) == choice["text"]
+            assert [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]] == lp["tokens"]
+            assert [o for c in mine if c["logprobs"] for o in c["logprobs"]["text_offset"]] == lp["text_offset"]
+    as_ids = httpx.post(url + "/v1/completions", timeout=60, json={**body, "prompt": ids, "echo": True}).json()
+    assert as_ids["choices"][0]["text"] == "One two three" + plain
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+    chat = {"model": "tiny", "messages": turns, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "add_generation_prompt": False, "continue_final_message": True}
+    alone = httpx.post(url + "/v1/chat/completions", timeout=60, json=chat).json()["choices"][0]["message"]["content"]
+    whole = httpx.post(url + "/v1/chat/completions", timeout=60, json={**chat, "echo": True}).json()
+    assert whole["choices"][0]["message"]["content"] == "The answer is" + alone
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={**chat, "echo": True, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == \
+        "The answer is" + alone
+    user_last = {**chat, "messages": turns[:1], "add_generation_prompt": True, "continue_final_message": False}
+    assert httpx.post(url + "/v1/chat/completions", timeout=60, json={**user_last, "echo": True}).json()[
+        "choices"][0]["message"]["content"] == httpx.post(url + "/v1/chat/completions", timeout=60,
+                                                           json=user_last).json()["choices"][0]["message"]["content"]

@@ -48,7 +48,7 @@ REFUSED = {
 
 
 def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
-    assert set(REFUSED) | {"echo", "suffix"} == set(NOT_YET_SUPPORTED)   # "echo": refused for chat below
+    assert set(REFUSED) | {"suffix"} == set(NOT_YET_SUPPORTED)   # "suffix": refused for completions below
     import json
 
     import pipeline.proxy.api_types as api
@@ -57,12 +57,10 @@ def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
         with pytest.raises(api.ApiError) as caught:
             parse_body(json.dumps(chat_body(**{field: value})).encode(), "chat")
         assert caught.value.param == field and f"'{field}'" in str(caught.value) and caught.value.status == 400
-    with pytest.raises(api.ApiError, match="'echo'"):
-        parse_body(json.dumps(chat_body(echo=True)).encode(), "chat")
     neutral = dict(tools=[], tool_choice="none", logprobs=False, top_logprobs=0,
                    best_of=1, parallel_tool_calls=True, priority=0)
     parse_body(json.dumps(chat_body(**neutral)).encode(), "chat")
-    for field, value in (("echo", True), ("suffix", "tail"), ("tools", [{"type": "function"}]),
+    for field, value in (("suffix", "tail"), ("tools", [{"type": "function"}]),
                          ("tool_choice", "auto")):
         with pytest.raises(api.ApiError, match=f"'{field}'"):
             parse_body(json.dumps({"prompt": "x", field: value}).encode(), "completion")

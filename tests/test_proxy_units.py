@@ -7,7 +7,8 @@ import base64
 
 import pytest
 
-from pipeline.proxy.api_types import ApiError, parse_body, stop_strings
+from pipeline.proxy.api_types import ApiError, parse_body
+from pipeline.proxy.sampling_fields import stop_strings
 from pipeline import protocol
 from pipeline.proxy.media_fetch import FetchPolicy, fetch_image
 from pipeline.proxy.responses import Usage, usage_of

@@ -22,7 +22,6 @@ from aiohttp import web
 from pipeline.proxy.access import MODEL_NAME_KEY, response_id
 from pipeline.proxy.api_types import ApiError
 from pipeline.proxy.flights import Flight, Work
-from pipeline.proxy.logprobs_format import chat_logprobs, completion_logprobs, entries_of
 from pipeline.proxy.request_log import log_aborted
 from pipeline.proxy.responses import ChatDeltas, Usage, error_response, prompt_logprobs_at_top, response_body
 
@@ -124,6 +123,7 @@ class ManyChoices:
     async def _send_merged(self, stream, req, flights: list[Flight], merged: asyncio.Queue, chat: bool) -> None:
         offsets = [0] * len(flights)
         deltas = [ChatDeltas(stream.tools) for _ in flights]
+        echoes = [await self._open_echo(stream, f, i) for i, f in enumerate(flights)]   # sent with the first pieces
         done, usage = 0, Usage(self.prompt_tokens_details)
         while done < len(flights):
             index, delta = await merged.get()
@@ -133,17 +133,16 @@ class ManyChoices:
                 self._abort_all(flights)
                 await stream.send(ApiError(delta.error, delta.status or 500).body())
                 return
-            payload = deltas[index].delta(delta.text, delta.finished) if chat else delta.text
+            text = (echoes[index].text if echoes[index] else "") + delta.text
+            payload = deltas[index].delta(delta.text, delta.finished) if chat else text
             chunk = stream.chunk(payload, deltas[index].finish_reason(delta.finish_reason) or None, delta.stop_reason)
             chunk["choices"][0]["index"] = index
             if flights[index].work.request.sampling.logprobs is not None:
-                entries = entries_of(delta)
-                name = self.token_names(flights[index])
-                found = chat_logprobs(name, entries) if chat else completion_logprobs(name, entries, offsets[index])
-                offsets[index] += 0 if chat else sum(len(t) for t in found["tokens"])
-                chunk["choices"][0]["logprobs"] = found
-            if (payload if stream.tools else delta.text) or delta.finished or delta.logprobs:
+                chunk["choices"][0]["logprobs"], offsets[index] = self.piece_logprobs(
+                    chat, flights[index], delta, offsets[index], echoes[index])
+            if (payload if stream.tools else text) or delta.finished or delta.logprobs:
                 await stream.send(chunk)
+                echoes[index] = None
             if delta.finished:
                 done += 1
                 usage.add(delta, counts_prompt=index % req.n == 0)

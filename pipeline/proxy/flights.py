@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from pipeline import protocol
+from pipeline.proxy.echo import Echo
 
 ATTEMPT_MARK = "~"   # the request ids the proxy makes never contain it
 
@@ -34,6 +35,7 @@ class Work:
     client_id: str = ""              # the request's X-Request-Id, for the log
     tokens_as_ids: bool = False      # vLLM's return_tokens_as_token_ids: logprobs name tokens by id
     prompt_logprobs: bool = False    # the response carries vLLM's prompt_logprobs
+    echo: Echo | None = None         # what the answer repeats first (proxy/echo.py)
 
 
 @dataclass

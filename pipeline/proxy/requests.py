@@ -22,12 +22,12 @@ from pipeline.proxy.api_types import (
     ChatMessage,
     CompletionRequest,
     image_url_of,
-    processor_fields,
-    stop_strings,
     video_url_of,
 )
+from pipeline.proxy.echo import Echo, chat_echo, completion_echo
 from pipeline.proxy.flights import Work
 from pipeline.proxy.media_fetch import FetchPolicy, fetch_image
+from pipeline.proxy.sampling_fields import processor_fields, stop_strings
 from pipeline.proxy.structured import grammar_of
 from pipeline.proxy.tools import ToolRequest, forced_grammar, tag_tokens_of, template_tool_calls, tool_request
 from pipeline.proxy.video_items import VideoLimits, checked_plan, video_key, video_options
@@ -108,7 +108,7 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     keys = [video_key(data, model.model_id, cfg, options) if kind == "video" else content_hash(data, model.salt)
             for kind, data in zip(kinds, fetched)]
     items = [_Item(kind, data, key) for kind, data, key in zip(kinds, fetched, keys)]
-    return _work(req, model, request_id, reply_to, prompt, items, options, grammar)
+    return _work(req, model, request_id, reply_to, prompt, items, options, grammar, chat_echo(req))
 
 
 async def completion_work(req: CompletionRequest, model: ModelInfo, request_id: str, reply_to: str,
@@ -123,7 +123,8 @@ async def completion_work(req: CompletionRequest, model: ModelInfo, request_id: 
             raise ApiError(f"prompt token ids must be in [0, {vocab})", param="prompt")
     if not ids:
         raise ApiError("the prompt is empty", param="prompt")
-    return _work(req, model, request_id, reply_to, MultimodalPrompt(ids, [], []), [], None)
+    echo = completion_echo(req, prompt, ids, model.processor.tokenizer)
+    return _work(req, model, request_id, reply_to, MultimodalPrompt(ids, [], []), [], None, echo=echo)
 
 
 def plain_messages(chat: list[ChatMessage]) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -186,7 +187,7 @@ class _Item:
 
 
 def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: MultimodalPrompt, items: list[_Item],
-          options: VideoOptions | None, tool_grammar: str = "") -> Work:
+          options: VideoOptions | None, tool_grammar: str = "", echo: Echo | None = None) -> Work:
     ids = prompt.token_ids
     room = model.max_context - len(ids)
     defaults = model.defaults
@@ -202,6 +203,10 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
         raise ApiError(f"This model's maximum context length is {model.max_context} tokens, and the prompt "
                        f"has {len(ids)}: no room is left for the completion.",
                        param="messages" if hasattr(req, "messages") else "prompt")
+    fields = processor_fields(req, model.processor.tokenizer.vocab_size, defaults)
+    if echo is not None and echo.token_ids and fields["logprobs"] is not None:
+        # The echoed prompt's tokens carry logprobs too: its prompt logprobs, with the same top count.
+        fields["prompt_logprobs"] = max(fields["prompt_logprobs"] or 0, fields["logprobs"])
     try:
         sampling = protocol.Sampling(
             max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -210,7 +215,7 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
             top_p=_given(req.top_p, defaults, "top_p", 1.0), seed=req.seed,
             stop=stop_strings(req.stop), stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos, grammar=grammar_of(req, tool_grammar),
-            **processor_fields(req, model.processor.tokenizer.vocab_size, defaults))
+            **fields)
         _check_sampling(sampling)
     except ValueError as exc:
         raise ApiError(str(exc)) from None
@@ -231,7 +236,7 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
                                frames if item.kind == "video" else None)
             for i, (item, tokens) in enumerate(zip(items, item_tokens))]
     return Work(request, jobs, len(ids) + max_tokens, tokens_as_ids=bool(req.return_tokens_as_token_ids),
-                prompt_logprobs=req.prompt_logprobs is not None)
+                prompt_logprobs=req.prompt_logprobs is not None, echo=echo)
 
 
 def _cache_salt(req) -> str:

@@ -17,6 +17,7 @@ from pipeline.proxy.access import (ARRIVED_KEY, MODEL_NAME_KEY, PARSE_TOOLS_KEY,
 from pipeline.proxy.api_types import ApiError, completion_prompts, parse_body
 from pipeline.proxy.dispatcher import Dispatcher
 from pipeline.proxy.flights import Flight
+from pipeline.proxy.echo import Echo, echoed_completion_logprobs
 from pipeline.proxy.fanout import ManyChoices, copies
 from pipeline.proxy.logprobs_format import (chat_logprobs, completion_logprobs, entries_of, prompt_logprobs,
                                             token_names)
@@ -232,7 +233,20 @@ class ProxyApp(ManyChoices):
             choice["logprobs"] = chat_logprobs(name, entries) if chat else completion_logprobs(name, entries)
         if flight.work.prompt_logprobs:
             choice["prompt_logprobs"] = prompt_logprobs(self.token_names(flight), prompt_entries)
+        if flight.work.echo is not None:
+            self._echo_whole(choice, flight, prompt_entries, chat)
         return last, choice
+
+    def _echo_whole(self, choice: dict, flight: Flight, prompt_entries, chat: bool) -> None:
+        echo = flight.work.echo
+        if chat:
+            if echo.text:
+                choice["message"]["content"] = echo.text + (choice["message"]["content"] or "")
+            return
+        choice["text"] = echo.text + choice["text"]
+        if choice["logprobs"] is not None:
+            choice["logprobs"] = echoed_completion_logprobs(self.token_names(flight), echo, prompt_entries,
+                                                            choice["logprobs"])
 
     async def _open_stream(self, request, chat) -> _Stream:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -246,16 +260,20 @@ class ProxyApp(ManyChoices):
 
     async def _stream(self, stream: _Stream, req, flight, delta):
         deltas = ChatDeltas(stream.tools)
+        echo = await self._open_echo(stream, flight, 0)   # a text completion's, sent with the first piece
         while True:
             if delta.error:
                 await stream.send(ApiError(delta.error, delta.status or 500).body())
                 break
-            payload = deltas.delta(delta.text, delta.finished) if stream.chat else delta.text
-            if (payload if stream.tools else delta.text) or delta.finished or delta.logprobs:
+            text = (echo.text if echo else "") + delta.text
+            payload = deltas.delta(delta.text, delta.finished) if stream.chat else text
+            if (payload if stream.tools else text) or delta.finished or delta.logprobs:
                 chunk = stream.chunk(payload, deltas.finish_reason(delta.finish_reason) or None, delta.stop_reason)
                 if flight.work.request.sampling.logprobs is not None:
-                    chunk["choices"][0]["logprobs"] = self._chunk_logprobs(stream, flight, delta)
+                    chunk["choices"][0]["logprobs"], stream.text_offset = self.piece_logprobs(
+                        stream.chat, flight, delta, stream.text_offset, echo)
                 await stream.send(chunk)
+                echo = None
             if delta.finished:
                 if req.stream_options is not None and req.stream_options.include_usage:
                     usage = stream.chunk(None, None)
@@ -271,13 +289,30 @@ class ProxyApp(ManyChoices):
         """How this flight's logprobs name tokens (logprobs_format.token_names)."""
         return token_names(self.model.processor.tokenizer, flight.work.tokens_as_ids)
 
-    def _chunk_logprobs(self, stream: _Stream, flight: Flight, delta: protocol.TokenDelta) -> dict:
+    def piece_logprobs(self, chat: bool, flight: Flight, delta: protocol.TokenDelta, offset: int,
+                       echo: Echo | None = None) -> tuple[dict, int]:
+        """A streamed piece's logprobs, and where the next piece's text starts
+        (the completions API counts offsets from the start: the echo's first)."""
         name = self.token_names(flight)
-        if stream.chat:
-            return chat_logprobs(name, entries_of(delta))
-        found = completion_logprobs(name, entries_of(delta), stream.text_offset)
-        stream.text_offset += sum(len(t) for t in found["tokens"])
-        return found
+        if chat:
+            return chat_logprobs(name, entries_of(delta)), offset
+        found = completion_logprobs(name, entries_of(delta), offset)
+        if echo is not None:
+            found = echoed_completion_logprobs(name, echo, delta.prompt_logprobs, found)
+        return found, offset + sum(len(t) for t in found["tokens"])
+
+    async def _open_echo(self, stream: _Stream, flight: Flight, index: int) -> Echo | None:
+        """A streamed answer's echo: chat's goes out now, as a content chunk
+        of its own after the role; a text completion's is returned, to go
+        out with the first piece of the answer."""
+        echo = flight.work.echo
+        if echo is None or not stream.chat:
+            return echo
+        if echo.text:
+            chunk = stream.chunk({"content": echo.text}, None)
+            chunk["choices"][0]["index"] = index
+            await stream.send(chunk)
+        return None
 
     def _record(self, flight: Flight, delta: protocol.TokenDelta) -> None:
         now = time.monotonic()
