@@ -203,6 +203,7 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 class GenerateRequest(_Msg, tag="generate"):

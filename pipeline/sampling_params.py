@@ -50,6 +50,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the stop string, or the stop token's text, ends the text
     skip_special_tokens: bool = True          # special tokens' text left out (the detokenizer's option)
     prompt_logprobs: int | None = None        # None: none; k: each prompt token's and the top k (engine/prompt_logprobs.py)
+    # vLLM's bad_words as token sequences: the last token of one is banned
+    # where the output ends with the others (a one-token word: always).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1)
@@ -87,6 +90,12 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             check_int("logit_bias token id", token, 0)
             check_number(f"logit_bias[{token}]", bias, -100.0, 100.0)
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids))
+        for word in self.bad_words_token_ids:
+            if not word:
+                raise ValueError("a bad word must be at least one token")
+            for token in word:
+                check_int("bad_words_token_ids[...]", token, 0)
         for token in self.allowed_token_ids:
             check_int("allowed_token_ids[...]", token, 0)
         object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids))))

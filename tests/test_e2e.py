@@ -219,6 +219,14 @@ def test_allowed_token_ids_reach_the_engine_through_the_stack(epd):
     reply = httpx.post(epd.base_url + "/v1/completions", json=body, timeout=60).json()
     tokens = reply["choices"][0]["logprobs"]["tokens"]
     assert len(tokens) == 6 and set(tokens) <= names, (tokens, names)
+    # bad_words reaches the engine too: the free answer's first word, banned, does not come first.
+    free = {**body, "allowed_token_ids": None}
+    first = httpx.post(epd.base_url + "/v1/completions", json=free, timeout=60).json()["choices"][0]["logprobs"]
+    word = first["tokens"][0]
+    ids = httpx.post(epd.base_url + "/tokenize", json={"prompt": word}, timeout=10).json()["tokens"]
+    assert len(ids) == 1, "the first token's text is not one token: no bad word to test with"
+    banned = httpx.post(epd.base_url + "/v1/completions", json={**free, "bad_words": [word]}, timeout=60).json()
+    assert banned["choices"][0]["logprobs"]["tokens"][0] != word
 
 
 def test_a_client_that_hangs_up_is_aborted_within_100_ms(epd):

@@ -2,8 +2,9 @@
 include_stop_str_in_output (the stop string, or a stop token's text, ends
 the text; nothing is held back), skip_special_tokens false (special tokens'
 text kept), and allowed_token_ids (every other token cut, greedy or drawn,
-in a batch beside unrestricted rows); a request whose allowed tokens all end
-it under min_tokens is refused."""
+in a batch beside unrestricted rows), bad_words (a word's last token banned
+where the output ends with the rest); a request whose allowed tokens all
+end it under min_tokens is refused."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.engine import Engine
 from pipeline.engine.output import TextState
-from pipeline.engine.sampler import SamplingRow, sample
+from pipeline.engine.sampler import SamplingRow, bad_word_bans, sample
 from pipeline.sampling_params import SamplingParams
 from test_engine import make_request, tiny  # noqa: F401 (tiny: the module fixture)
 
@@ -110,3 +111,22 @@ def test_allowed_rows_beside_free_rows_in_one_batch():
     assert torch.equal(logits, raw)
     assert tokens[0] == int(raw[0].argmax()) and tokens[1] == (4 if raw[1, 4] > raw[1, 9] else 9)
     assert tokens[2] == 30   # a bias on a cut token does not bring it back
+
+
+def test_bad_word_bans():
+    words = ((7,), (1, 2), (3, 4, 5))
+    assert bad_word_bans(words, []) == {7}
+    assert bad_word_bans(words, [9, 1]) == {7, 2}
+    assert bad_word_bans(words, [3, 4]) == {7, 5} and bad_word_bans(words, [4, 3]) == {7}
+
+
+def test_bad_words_never_appear(engine_run):
+    greedy, _, _ = engine_run("free-bw", max_tokens=10, ignore_eos=True)
+    pair = (greedy[2], greedy[3])
+    tokens, _, _ = engine_run("no-pair", max_tokens=10, ignore_eos=True, bad_words_token_ids=(pair,))
+    first = next(i for i in range(len(greedy) - 1) if (greedy[i], greedy[i + 1]) == pair)
+    # The same way until the word would end there.
+    assert tokens[:first + 1] == greedy[:first + 1] and tokens[first + 1] != greedy[first + 1]
+    assert all((a, b) != pair for a, b in zip(tokens, tokens[1:]))
+    tokens, _, _ = engine_run("no-token", max_tokens=10, ignore_eos=True, bad_words_token_ids=((greedy[0],),))
+    assert greedy[0] not in tokens

@@ -208,3 +208,28 @@ def test_continue_final_message_and_add_special_tokens_shape_the_prompt(tiny_dir
     with pytest.raises(api.ApiError, match="add_generation_prompt false") as caught:
         ids("chat", messages=turns, continue_final_message=True)
     assert caught.value.param == "continue_final_message" and caught.value.status == 400
+
+
+def test_bad_words_become_token_sequences_at_the_start_and_mid_text(tiny_dir):
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo
+    from pipeline.proxy.sampling_fields import bad_words_token_ids
+
+    model = ModelInfo("tiny", Processor.from_checkpoint(tiny_dir, image_token_id=0), 512, b"salt")
+    tokenizer = model.processor.tokenizer
+    words = ["cat", " sky tree"]
+    found = bad_words_token_ids(words, tokenizer)
+    expected = []
+    for word in words:
+        bare, spaced = tuple(tokenizer.encode(word.lstrip())), tuple(tokenizer.encode(" " + word.lstrip()))
+        expected += [bare] + ([spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [])
+    assert found == tuple(expected) and len(found) > len(words)   # some word has its mid-text form too
+    req = parse_body(json.dumps({"prompt": "x", "bad_words": words}).encode(), "completion")
+    sampling = asyncio.run(completion_work(req, model, "r", "inproc://proxy", req.prompt)).request.sampling
+    assert sampling.bad_words_token_ids == found
+    with pytest.raises(api.ApiError, match="non-empty") as caught:
+        bad_words_token_ids(["  "], tokenizer)
+    assert caught.value.param == "bad_words"

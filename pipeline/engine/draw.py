@@ -90,4 +90,6 @@ def inverse_cdf(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     # Strictly under the total, or rounding could pass no token at all.
     target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # A row with every token cut (bans that met allowed_token_ids) sums to NaN:
+    # its pick is clamped into the vocabulary rather than past it.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=x.shape[1] - 1)

@@ -34,7 +34,7 @@ from pipeline.engine.choose import choose
 from pipeline.engine.grammar import Grammars
 from pipeline.engine.request_phases import RequestPhases
 from pipeline.engine.penalties import PenaltyPool, uses_penalties
-from pipeline.engine.sampler import SamplingRow, make_generator
+from pipeline.engine.sampler import SamplingRow, bad_word_bans, make_generator
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.step_profile import StepProfile, step_kind
 from pipeline.prefill_signal import signalling
@@ -186,6 +186,8 @@ class Engine:
             raise ValueError(f"logit_bias names a token id outside this model's vocabulary of {vocab}")
         if any(token >= vocab for token in params.allowed_token_ids):
             raise ValueError(f"allowed_token_ids names a token id outside this model's vocabulary of {vocab}")
+        if any(token >= vocab for word in params.bad_words_token_ids for token in word):
+            raise ValueError(f"bad_words has a token id outside this model's vocabulary of {vocab}")
         ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
         if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= ends:
             # min_tokens bans them all until then: no token would be left to write.
@@ -376,6 +378,8 @@ class Engine:
         banned: tuple[int, ...] = ()
         if request.num_output_tokens < params.min_tokens:
             banned = tuple(set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids)))
+        if params.bad_words_token_ids:
+            banned = tuple(set(banned) | bad_word_bans(params.bad_words_token_ids, request.output_token_ids))
         live = self.live[request_id]
         if live.pool_row is None and uses_penalties(params):
             live.pool_row = self.penalties.take(request.prompt_token_ids, live.earlier_output)

@@ -100,6 +100,13 @@ def _ban(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits.index_put_(index, logits.new_full((len(pairs),), float("-inf")))
 
 
+def bad_word_bans(words: tuple[tuple[int, ...], ...], output: list[int]) -> set[int]:
+    """vLLM's bad_words: for each word's tokens, the last is banned where the
+    output ends with the ones before it (a one-token word's, always)."""
+    return {word[-1] for word in words
+            if len(word) == 1 or (len(output) >= len(word) - 1 and output[len(output) - len(word) + 1:] == list(word[:-1]))}
+
+
 def make_generator(params: SamplingParams, drawn: int = 0) -> torch.Generator | None:
     """A private CPU generator for seeded sampling, else None (global RNG).
     `drawn`: the tokens the request already sampled (it moved here after

@@ -27,7 +27,7 @@ from pipeline.proxy.api_types import (
 from pipeline.proxy.echo import Echo, chat_echo, completion_echo
 from pipeline.proxy.flights import Work
 from pipeline.proxy.media_fetch import FetchPolicy, fetch_image
-from pipeline.proxy.sampling_fields import processor_fields, stop_strings
+from pipeline.proxy.sampling_fields import bad_words_token_ids, processor_fields, stop_strings
 from pipeline.proxy.structured import grammar_of
 from pipeline.proxy.tools import ToolRequest, forced_grammar, tag_tokens_of, template_tool_calls, tool_request
 from pipeline.proxy.video_items import VideoLimits, checked_plan, video_key, video_options
@@ -204,6 +204,7 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
                        f"has {len(ids)}: no room is left for the completion.",
                        param="messages" if hasattr(req, "messages") else "prompt")
     fields = processor_fields(req, model.processor.tokenizer.vocab_size, defaults)
+    fields["bad_words_token_ids"] = bad_words_token_ids(req.bad_words, model.processor.tokenizer)
     if echo is not None and echo.token_ids and fields["logprobs"] is not None:
         # The echoed prompt's tokens carry logprobs too: its prompt logprobs, with the same top count.
         fields["prompt_logprobs"] = max(fields["prompt_logprobs"] or 0, fields["logprobs"])

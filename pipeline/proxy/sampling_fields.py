@@ -1,6 +1,6 @@
 """A request's sampling fields, read into protocol.Sampling's: stop strings,
 the logits processors, the logprobs asked for (the output's and the
-prompt's), allowed_token_ids and the output options. Each bad value is a
+prompt's), allowed_token_ids, bad_words and the output options. Each bad value is a
 400 naming its field."""
 
 from __future__ import annotations
@@ -86,3 +86,19 @@ def logprobs_asked(req) -> int | None:
         raise ApiError(f"{'top_logprobs' if chat else 'logprobs'} must be in [0, 20], got {asked}",
                        param="top_logprobs" if chat else "logprobs")
     return asked
+
+
+def bad_words_token_ids(words: list[str] | None, tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as written at the start
+    of a text, and with a space before it (the same word in mid-text) where
+    that gives another first token and as many tokens."""
+    out: list[tuple[int, ...]] = []
+    for word in words or ():
+        if not word.strip():
+            raise ApiError("bad_words must be non-empty strings", param="bad_words")
+        bare = tuple(tokenizer.encode(word.lstrip()))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        out.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(out)
