@@ -321,3 +321,22 @@ def test_vllm_named_series_are_served(epd):
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     named = {re.sub(r"_(bucket|total|count|sum)$", "", n) for e in exprs for n in re.findall(r"(?:vllm:|epd_)\w+", e)}
     assert len(named) >= 20 and named <= served, named - served
+
+
+def test_a_truncated_image_prompt_is_served_alike_in_both_layouts(epd, aggregated):
+    """truncate_prompt_tokens that cuts the start of the system turn and keeps
+    the image: both layouts answer the shorter prompt alike, token for
+    token; one that would cut into the image is a 400."""
+    messages = chat_messages(IMAGES[1], "Describe it at length, please, in many words.")
+    counted = httpx.post(epd.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": messages, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "truncate_prompt_tokens": counted - 8}
+    answers = []
+    for stack in (epd, aggregated):
+        reply = httpx.post(stack.base_url + "/v1/chat/completions", timeout=60, json=body).json()
+        assert reply["usage"]["prompt_tokens"] == counted - 8, reply
+        answers.append([e["token"] for e in reply["choices"][0]["logprobs"]["content"]])
+    assert answers[0] == answers[1] and len(answers[0]) == 6
+    cut = httpx.post(epd.base_url + "/v1/chat/completions", timeout=60, json={**body, "truncate_prompt_tokens": 10})
+    assert cut.status_code == 400 and "would cut" in cut.json()["error"]["message"]

@@ -41,7 +41,7 @@ def chat_body(**extra) -> dict:
 REFUSED = {
     "functions": [{"name": "f"}], "function_call": "auto",
     "best_of": 2,
-    "truncate_prompt_tokens": 8, "priority": 1,
+    "priority": 1,
     "logits_processors": ["mod.Proc"],
     "chat_template": "{{ messages }}", "documents": [{"title": "t", "text": "x"}],
 }

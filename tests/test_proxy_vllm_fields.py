@@ -233,3 +233,40 @@ def test_bad_words_become_token_sequences_at_the_start_and_mid_text(tiny_dir):
     with pytest.raises(api.ApiError, match="non-empty") as caught:
         bad_words_token_ids(["  "], tokenizer)
     assert caught.value.param == "bad_words"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end_and_never_cuts_its_images(tiny_dir):
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo, chat_work
+
+    from conftest import image_bytes, random_image
+    from e2e_helpers import chat_messages
+    from pipeline.proxy.media_fetch import FetchPolicy
+
+    image_token = json.loads((tiny_dir / "config.json").read_text())["image_token_id"]
+    model = ModelInfo("tiny", Processor.from_checkpoint(tiny_dir, image_token_id=image_token), 512, b"salt")
+
+    def prompt_of(kind: str, **fields):
+        req = parse_body(json.dumps(fields).encode(), kind)
+        made = (completion_work(req, model, "r", "inproc://proxy", req.prompt) if kind == "completion"
+                else chat_work(req, model, FetchPolicy(), "r", "inproc://proxy"))
+        return asyncio.run(made).request
+
+    ids = model.processor.tokenizer.encode("one two three four five six")
+    assert list(prompt_of("completion", prompt=ids, truncate_prompt_tokens=3).prompt_token_ids) == ids[-3:]
+    assert list(prompt_of("completion", prompt=ids, truncate_prompt_tokens=-1).prompt_token_ids) == ids
+    assert list(prompt_of("completion", prompt=ids, truncate_prompt_tokens=99).prompt_token_ids) == ids
+    messages = chat_messages([image_bytes(random_image(64, 64, seed=1))], "What is it? Say it in many words.")
+    whole = prompt_of("chat", messages=messages)
+    start, length = whole.image_spans[0]
+    keep = len(whole.prompt_token_ids) - start   # the image and all after it
+    kept = prompt_of("chat", messages=messages, truncate_prompt_tokens=keep)
+    assert kept.prompt_token_ids == whole.prompt_token_ids[start:] and kept.image_spans == ((0, length),)
+    assert kept.image_keys == whole.image_keys
+    for value, says in ((keep - 1, "would cut the prompt's images"), (0, "must be -1 or in"), (513, "must be -1")):
+        with pytest.raises(api.ApiError, match=says) as caught:
+            prompt_of("chat", messages=messages, truncate_prompt_tokens=value)
+        assert caught.value.param == "truncate_prompt_tokens" and caught.value.status == 400

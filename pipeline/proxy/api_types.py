@@ -154,8 +154,8 @@ class SamplingFields(msgspec.Struct):
     allowed_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool | None = None   # logprobs name tokens "token_id:<id>"
     bad_words: list[str] | None = None   # never written (proxy/sampling_fields.py)
+    truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens (-1: the context's length)
     # vLLM's own fields accepted only at their defaults (NOT_YET_SUPPORTED).
-    truncate_prompt_tokens: int | None = None
     priority: int = 0
     logits_processors: list | None = None
     # vLLM's: only requests with the same salt share prefix-cached KV blocks.
@@ -198,7 +198,7 @@ NOT_YET_SUPPORTED = {
     "functions": _neutral, "function_call": lambda v: v in (None, "none"),   # the legacy form of tools
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: not v,
-    "truncate_prompt_tokens": lambda v: v is None, "priority": _neutral,
+    "priority": _neutral,
     "logits_processors": _neutral,
     "chat_template": lambda v: v is None, "documents": _neutral,
 }

@@ -123,8 +123,33 @@ async def completion_work(req: CompletionRequest, model: ModelInfo, request_id: 
             raise ApiError(f"prompt token ids must be in [0, {vocab})", param="prompt")
     if not ids:
         raise ApiError("the prompt is empty", param="prompt")
+    kept = _truncated(MultimodalPrompt(ids, [], []), req.truncate_prompt_tokens, model.max_context).token_ids
+    if len(kept) < len(ids):
+        prompt = ids = kept   # what the model sees, and so what an echo repeats
     echo = completion_echo(req, prompt, ids, model.processor.tokenizer)
     return _work(req, model, request_id, reply_to, MultimodalPrompt(ids, [], []), [], None, echo=echo)
+
+
+def _truncated(prompt: MultimodalPrompt, keep: int | None, max_context: int) -> MultimodalPrompt:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1:
+    the context's length). A prompt's images and videos must all be kept:
+    one cut in part, or dropped, is a 400 rather than a prompt whose media
+    no longer match the request's."""
+    if keep is None:
+        return prompt
+    if keep == -1:
+        keep = max_context
+    if not 1 <= keep <= max_context:
+        raise ApiError(f"truncate_prompt_tokens must be -1 or in [1, {max_context}], got {keep}",
+                       param="truncate_prompt_tokens")
+    cut = len(prompt.token_ids) - keep
+    if cut <= 0:
+        return prompt
+    if any(start < cut for start, _ in prompt.image_spans):
+        raise ApiError(f"truncate_prompt_tokens={keep} would cut the prompt's images or videos "
+                       f"(the prompt has {len(prompt.token_ids)} tokens)", param="truncate_prompt_tokens")
+    return MultimodalPrompt(prompt.token_ids[cut:], [(start - cut, length) for start, length in prompt.image_spans],
+                            prompt.grids, prompt.seconds_per_grid, prompt.span_items)
 
 
 def plain_messages(chat: list[ChatMessage]) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -188,6 +213,7 @@ class _Item:
 
 def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: MultimodalPrompt, items: list[_Item],
           options: VideoOptions | None, tool_grammar: str = "", echo: Echo | None = None) -> Work:
+    prompt = _truncated(prompt, req.truncate_prompt_tokens, model.max_context)
     ids = prompt.token_ids
     room = model.max_context - len(ids)
     defaults = model.defaults
