@@ -43,7 +43,7 @@ REFUSED = {
     "best_of": 2,
     "priority": 1,
     "logits_processors": ["mod.Proc"],
-    "chat_template": "{{ messages }}", "documents": [{"title": "t", "text": "x"}],
+    "chat_template": "{{ messages }}",
 }
 
 

@@ -270,3 +270,28 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end_and_never_cuts_its_images(
         with pytest.raises(api.ApiError, match=says) as caught:
             prompt_of("chat", messages=messages, truncate_prompt_tokens=value)
         assert caught.value.param == "truncate_prompt_tokens" and caught.value.status == 400
+
+
+def test_documents_reach_a_template_that_takes_them_and_are_a_400_otherwise(tiny_dir):
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo, chat_work
+
+    rag = ("{% for d in documents %}<doc {{ d.title }}>{{ d.text }}</doc>{% endfor %}"
+           "{% for m in messages %}[{{ m.content }}]{% endfor %}")
+
+    def prompt(template: str | None, **fields) -> str:
+        processor = Processor.from_checkpoint(tiny_dir, image_token_id=0, chat_template=template)
+        model = ModelInfo("tiny", processor, 512, b"salt")
+        req = parse_body(json.dumps({"messages": [{"role": "user", "content": "hi"}], **fields}).encode(), "chat")
+        work = asyncio.run(chat_work(req, model, None, "r", "inproc://proxy"))
+        return processor.tokenizer.decode(work.request.prompt_token_ids, skip_special_tokens=False)
+
+    docs = [{"title": "a", "text": "alpha"}, {"title": "b", "text": "beta"}]
+    assert prompt(rag, documents=docs) == "<doc a>alpha</doc><doc b>beta</doc>[hi]"
+    with pytest.raises(api.ApiError, match="takes no documents") as caught:
+        prompt(None, documents=docs)   # the tiny checkpoint's own template never reads them
+    assert caught.value.param == "documents" and caught.value.status == 400
+    assert "alpha" not in prompt(None)

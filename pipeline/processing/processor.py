@@ -79,21 +79,24 @@ class Processor:
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], image_sizes: Sequence[tuple[int, int]],
                     videos: Sequence[VideoPlan] = (), tools: Sequence[Mapping[str, Any]] | None = None,
                     add_generation_prompt: bool = True, template_kwargs: Mapping[str, Any] | None = None,
-                    continue_final_message: bool = False, add_special_tokens: bool = False) -> MultimodalPrompt:
+                    continue_final_message: bool = False, add_special_tokens: bool = False,
+                    documents: Sequence[Mapping[str, Any]] | None = None) -> MultimodalPrompt:
         """Token ids for a chat whose image parts, in order, have these
         (height, width) sizes and whose video parts these plans
         (processing.video.plan_video); the generation prompt is added unless
         `add_generation_prompt` is off. `tools`: the chat template's tools
         (function definitions); `template_kwargs`: more template variables;
         `continue_final_message`: see ChatTemplate.render; `add_special_tokens`:
-        the tokenizer's own (a BOS) around the rendered text."""
+        the tokenizer's own (a BOS) around the rendered text; `documents`: the
+        template's (retrieved texts, for templates that take them)."""
         if videos and self.video is None:
             raise ValueError("this model takes no video")
         grids = [self.image_grid(h, w) for h, w in image_sizes]
         merge = self.image_config.merge_size ** 2
         counts = [t * h * w // merge for t, h, w in grids]
         text = self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                    continue_final_message=continue_final_message, **(template_kwargs or {}))
+                                    documents=documents, continue_final_message=continue_final_message,
+                                    **(template_kwargs or {}))
         if self.video is not None:
             text = label_video_text(text, videos, self.tokenizer, self.video)
         ids = expand_media_placeholders(self.tokenizer.encode(text, add_special_tokens), counts, videos,

@@ -174,10 +174,10 @@ class ChatCompletionRequest(SamplingFields):
     # rendered prompt, which the template usually writes itself.
     continue_final_message: bool = False
     add_special_tokens: bool = False
-    # Accepted only at their defaults.
-    chat_template: str | None = None
-    documents: list | None = None
+    documents: list[dict[str, str]] | None = None   # vLLM's: for templates that take retrieved texts
     echo: bool = False
+    # Accepted only at its default (NOT_YET_SUPPORTED).
+    chat_template: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -200,7 +200,7 @@ NOT_YET_SUPPORTED = {
     "suffix": lambda v: not v,
     "priority": _neutral,
     "logits_processors": _neutral,
-    "chat_template": lambda v: v is None, "documents": _neutral,
+    "chat_template": lambda v: v is None,
 }
 # Template variables the server sets itself: chat_template_kwargs may not.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})

@@ -83,7 +83,7 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
                     reply_to: str, session=None) -> Work:
     tools = tool_request(req)
     messages, media = plain_messages(req.messages)
-    check_template_takes(model.processor.template, tools, messages)
+    check_template_takes(model.processor.template, tools, messages, req.documents)
     grammar = forced_grammar(tools, model.tag_tokens) if tools.forced else ""
     if len(media) > model.max_images:
         raise ApiError(f"too many images and videos: {len(media)} (at most {model.max_images} per request)",
@@ -101,7 +101,7 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
         # less than a thread hop costs under the GIL.
         prompt = model.processor.chat_prompt(messages, sizes, plans, tools.template_tools,
                                              req.add_generation_prompt, req.chat_template_kwargs,
-                                             req.continue_final_message, req.add_special_tokens)
+                                             req.continue_final_message, req.add_special_tokens, req.documents)
     except (ValueError, jinja2.TemplateError) as exc:
         raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
     # Items in prompt order are the media in message order.
@@ -183,15 +183,18 @@ def _part(part, urls: list[tuple[str, str]]) -> dict:
     raise ApiError(f"unsupported content part type {part.type!r}", param="messages")
 
 
-def check_template_takes(template, tools: ToolRequest, messages: list[dict]) -> None:
-    """A 400 for tools, or earlier tool calls, that the checkpoint's chat
-    template never reads: the model would never see them."""
+def check_template_takes(template, tools: ToolRequest, messages: list[dict], documents: list | None = None) -> None:
+    """A 400 for tools, earlier tool calls or documents that the
+    checkpoint's chat template never reads: the model would never see them."""
     if tools.tools and not template.reads("tools", tools=True):
         raise ApiError("this model's chat template takes no tools: the model would never see them",
                        param="tools")
     if any("tool_calls" in m for m in messages) and not template.reads("tool_calls", tools=bool(tools.tools)):
         raise ApiError("this model's chat template does not render an assistant message's tool_calls",
                        param="messages")
+    if documents and not template.reads("documents", tools=bool(tools.tools)):
+        raise ApiError("this model's chat template takes no documents: the model would never see them "
+                       "(--chat-template can give it one that does)", param="documents")
 
 
 def _checked_size(number: int, data: bytes, model: ModelInfo) -> tuple[int, int]:
