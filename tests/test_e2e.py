@@ -340,3 +340,23 @@ def test_a_truncated_image_prompt_is_served_alike_in_both_layouts(epd, aggregate
     assert answers[0] == answers[1] and len(answers[0]) == 6
     cut = httpx.post(epd.base_url + "/v1/chat/completions", timeout=60, json={**body, "truncate_prompt_tokens": 10})
     assert cut.status_code == 400 and "would cut" in cut.json()["error"]["message"]
+
+
+def test_continuous_usage_stats_count_every_chunk(epd):
+    """vLLM's stream_options.continuous_usage_stats: each chunk with tokens
+    carries the counts so far, per choice; the last usage chunk the totals."""
+    for route, body in (("/v1/chat/completions", {"messages": chat_messages([], "Count.")}),
+                        ("/v1/completions", {"prompt": "One two", "n": 2})):
+        body = {"model": "tiny", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **body}
+        with httpx.stream("POST", epd.base_url + route, timeout=60, json=body) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        final = chunks[-1]
+        assert final["choices"] == [] and final["usage"]["completion_tokens"] == 5 * body.get("n", 1)
+        for index in range(body.get("n", 1)):
+            counted = [c["usage"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index
+                       and "usage" in c]
+            assert [u["completion_tokens"] for u in counted][-1] == 5
+            assert counted == sorted(counted, key=lambda u: u["completion_tokens"])
+            assert {u["prompt_tokens"] for u in counted} == {final["usage"]["prompt_tokens"]}
+            assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in counted)

@@ -248,9 +248,6 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
     if request.stream_options is not None:
         if not request.stream:
             raise ApiError("stream_options can only be set when stream is true", param="stream_options")
-        if request.stream_options.continuous_usage_stats:
-            raise ApiError("'stream_options.continuous_usage_stats' is not supported by this server yet; "
-                           "leave it unset", param="stream_options")
     if request.seed is not None and not 0 <= request.seed <= MAX_SEED - (request.n - 1):
         # n choices are seeded seed, seed + 1, ...: each must fit.
         raise ApiError(f"seed must be in [0, {MAX_SEED - (request.n - 1)}] with n = {request.n}, got {request.seed}",

@@ -230,7 +230,7 @@ class Dispatcher:
         flight.tokens += len(delta.token_ids)
         flight.token_ids += delta.token_ids
         flight.text_sent += len(delta.text)
-        if delta.finished and flight.resumed_from:
+        if flight.resumed_from:   # counts as the client sees them (each delta's: continuous usage)
             prompt_tokens = delta.prompt_tokens - flight.resumed_from
             delta = msgspec.structs.replace(
                 delta, prompt_tokens=prompt_tokens, cached_tokens=min(delta.cached_tokens, prompt_tokens),

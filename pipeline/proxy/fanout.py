@@ -23,7 +23,8 @@ from pipeline.proxy.access import MODEL_NAME_KEY, response_id
 from pipeline.proxy.api_types import ApiError
 from pipeline.proxy.flights import Flight, Work
 from pipeline.proxy.request_log import log_aborted
-from pipeline.proxy.responses import ChatDeltas, Usage, error_response, prompt_logprobs_at_top, response_body
+from pipeline.proxy.responses import (ChatDeltas, Usage, continuous_usage, error_response, prompt_logprobs_at_top,
+                                     response_body, usage_of)
 
 
 def copies(work: Work, n: int) -> list[Work]:
@@ -140,6 +141,8 @@ class ManyChoices:
             if flights[index].work.request.sampling.logprobs is not None:
                 chunk["choices"][0]["logprobs"], offsets[index] = self.piece_logprobs(
                     chat, flights[index], delta, offsets[index], echoes[index])
+            if continuous_usage(req):
+                chunk["usage"] = usage_of(delta)
             if (payload if stream.tools else text) or delta.finished or delta.logprobs:
                 await stream.send(chunk)
                 echoes[index] = None

@@ -48,6 +48,13 @@ def usage_of(last: protocol.TokenDelta, details: bool = False) -> dict:
     return Usage(details).add(last).body()
 
 
+def continuous_usage(req) -> bool:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage):
+    every chunk with tokens carries the counts so far."""
+    options = req.stream_options
+    return options is not None and options.include_usage and options.continuous_usage_stats
+
+
 def response_body(rid, model_id, text, last, chat, tools: bool = False, details: bool = False) -> dict:
     """tools: the request's tool calls are parsed out of the text; details:
     usage names the prompt's cached tokens."""

@@ -25,7 +25,8 @@ from pipeline.proxy.media_fetch import FetchPolicy, guarded_session
 from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.request_log import log_aborted, log_finished
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
-from pipeline.proxy.responses import ChatDeltas, error_response, prompt_logprobs_at_top, response_body, usage_of
+from pipeline.proxy.responses import (ChatDeltas, continuous_usage, error_response, prompt_logprobs_at_top,
+                                     response_body, usage_of)
 from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
 from pipeline.proxy.tools import tool_request
 
@@ -272,6 +273,8 @@ class ProxyApp(ManyChoices):
                 if flight.work.request.sampling.logprobs is not None:
                     chunk["choices"][0]["logprobs"], stream.text_offset = self.piece_logprobs(
                         stream.chat, flight, delta, stream.text_offset, echo)
+                if continuous_usage(req):
+                    chunk["usage"] = usage_of(delta)
                 await stream.send(chunk)
                 echo = None
             if delta.finished:
