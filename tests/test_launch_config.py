@@ -154,7 +154,8 @@ def test_a_file_of_every_key_round_trips():
 
 VLLM_LINE = ["--trust-remote-code", "-tp", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
              "--generation-config", "vllm", "--allowed-local-media-path", "/data/media",
-             "--enable-prompt-tokens-details", "--allowed-media-domains", "a.example", "b.example"]
+             "--enable-prompt-tokens-details", "--allowed-media-domains", "a.example", "b.example",
+             "--trust-request-chat-template"]
 
 
 def proxy_of(args):
@@ -169,7 +170,9 @@ def test_a_vllm_serve_command_line_carries_over(tiny_dir):
     proxy = proxy_of(args)
     assert proxy.generation_config == "vllm" and [str(p) for p in proxy.allow_file_dir] == ["/data/media"]
     assert proxy.allowed_media_domains == ["a.example", "b.example"] and proxy.enable_prompt_tokens_details
-    assert not proxy_of(cli.parse_args([str(tiny_dir), "--device", "cpu"])).enable_prompt_tokens_details
+    assert proxy.trust_request_chat_template
+    plain = proxy_of(cli.parse_args([str(tiny_dir), "--device", "cpu"]))
+    assert not plain.enable_prompt_tokens_details and not plain.trust_request_chat_template
 
 
 def test_the_positional_model_overrides_the_files_model(tmp_path, tiny_dir):

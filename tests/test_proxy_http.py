@@ -43,7 +43,6 @@ REFUSED = {
     "best_of": 2,
     "priority": 1,
     "logits_processors": ["mod.Proc"],
-    "chat_template": "{{ messages }}",
 }
 
 

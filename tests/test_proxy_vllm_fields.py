@@ -293,3 +293,30 @@ def test_documents_reach_a_template_that_takes_them_and_are_a_400_otherwise(tiny
         prompt(None, documents=docs)   # the tiny checkpoint's own template never reads them
     assert caught.value.param == "documents" and caught.value.status == 400
     assert "alpha" not in prompt(None)
+
+
+def test_a_requests_chat_template_only_where_the_server_trusts_it(tiny_dir):
+    import json
+
+    import pipeline.proxy.api_types as api
+    from pipeline.processing.processor import Processor
+    from pipeline.proxy.requests import ModelInfo, chat_work
+
+    processor = Processor.from_checkpoint(tiny_dir, image_token_id=0)
+
+    def prompt(trust: bool, **fields) -> str:
+        model = ModelInfo("tiny", processor, 512, b"salt", trust_request_chat_template=trust)
+        req = parse_body(json.dumps({"messages": [{"role": "user", "content": "hi"}], **fields}).encode(), "chat")
+        work = asyncio.run(chat_work(req, model, None, "r", "inproc://proxy"))
+        return processor.tokenizer.decode(work.request.prompt_token_ids, skip_special_tokens=False)
+
+    own = "{% for m in messages %}<<{{ m.role }}:{{ m.content }}>>{% endfor %}{{ eos_token }}"
+    eos = prompt(True, chat_template="{{ eos_token }}")   # the checkpoint's special tokens stay its variables
+    assert eos and prompt(True, chat_template=own) == "<<user:hi>>" + eos
+    assert prompt(True) == prompt(False) == processor.tokenizer.decode(
+        processor.tokenizer.encode(processor.template.render([{"role": "user", "content": "hi"}])),
+        skip_special_tokens=False)
+    for trust, source, says in ((False, own, "--trust-request-chat-template"), (True, "{% for %}", "does not compile")):
+        with pytest.raises(api.ApiError, match=says) as caught:
+            prompt(trust, chat_template=source)
+        assert caught.value.param == "chat_template" and caught.value.status == 400

@@ -21,9 +21,9 @@ import torch
 
 from pipeline.engine.logprobs import logprob_table, read_table
 
-# (the token, its logprob, its rank (1: the likeliest; ties share the lower
-# rank, as vLLM counts them), the top k ids, their logprobs), per prompt
-# token from the second on.
+# (the token, its logprob, its rank: how many tokens are at least as likely,
+# itself included, as vLLM counts it (1: the likeliest), the top k ids, their
+# logprobs), per prompt token from the second on.
 PromptLogprob = tuple[int, float, int, tuple[int, ...], tuple[float, ...]]
 
 SLICE_ROWS = 256

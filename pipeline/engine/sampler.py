@@ -1,7 +1,8 @@
 """Next-token choice for a batch of rows: greedy, temperature, top-k, top-p,
-min-p, per-request seeds, allowed_token_ids (every other token cut),
-min_tokens (end tokens masked until enough output), the logits processors
-of engine/penalties.py and the grammar masks of engine/grammar.py.
+min-p, per-request seeds, allowed_token_ids (every other token cut), bans
+(min_tokens' end tokens until enough output, bad_words' next tokens), the
+logits processors of engine/penalties.py and the grammar masks of
+engine/grammar.py.
 
 Nothing loops over the batch on the device: greedy rows take one batched
 argmax; bans, bias, penalties and masks apply to the whole batch at once;
@@ -30,7 +31,7 @@ from pipeline.engine.small_copies import device_tensor, steady_tensor
 class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None
-    banned: tuple[int, ...] = ()  # token ids masked this step (min_tokens not reached)
+    banned: tuple[int, ...] = ()  # token ids masked this step (min_tokens not reached, bad_words)
     pool_row: int | None = None   # the request's row in the PenaltyPool, if penalised
     matcher: Any = None           # the request's grammar matcher (engine/grammar.py), if any
 
@@ -103,8 +104,10 @@ def _ban(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 def bad_word_bans(words: tuple[tuple[int, ...], ...], output: list[int]) -> set[int]:
     """vLLM's bad_words: for each word's tokens, the last is banned where the
     output ends with the ones before it (a one-token word's, always)."""
-    return {word[-1] for word in words
-            if len(word) == 1 or (len(output) >= len(word) - 1 and output[len(output) - len(word) + 1:] == list(word[:-1]))}
+    def ends_with_start(word: tuple[int, ...]) -> bool:
+        start = list(word[:-1])
+        return len(output) >= len(start) and output[len(output) - len(start):] == start
+    return {word[-1] for word in words if ends_with_start(word)}
 
 
 def make_generator(params: SamplingParams, drawn: int = 0) -> torch.Generator | None:

@@ -72,6 +72,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     prefill_pacing_max_hold_ms: float | None = None
     generation_config: str | None = None
     enable_prompt_tokens_details: bool | None = None
+    trust_request_chat_template: bool | None = None
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     trust_remote_code: bool | None = None

@@ -23,6 +23,8 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                        help="the only hosts that http(s) media URLs may name")
     group.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage carries prompt_tokens_details.cached_tokens (prompt tokens from the prefix cache)")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="a request may bring its own chat_template (without it, such a request is a 400)")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="accepted: no checkpoint's own code is ever run here (the model code is this "
                        "package's), so there is nothing to trust")
@@ -53,6 +55,8 @@ def proxy_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
         out.append(("proxy", f"--allowed-local-media-path={args.allowed_local_media_path}"))
     if args.enable_prompt_tokens_details:
         out.append(("proxy", "--enable-prompt-tokens-details"))
+    if args.trust_request_chat_template:
+        out.append(("proxy", "--trust-request-chat-template"))
     if args.allowed_media_domains:   # nargs="+" on the proxy: one flag, then every host
         out += [("proxy", "--allowed-media-domains"), *(("proxy", host) for host in args.allowed_media_domains)]
     return out

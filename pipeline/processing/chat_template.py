@@ -10,6 +10,8 @@ tokens passed as template variables.
 
 from __future__ import annotations
 
+import functools
+
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -238,6 +240,12 @@ class ChatTemplate:
         self._special_tokens = dict(special_tokens)
         self._names = {name: _names_read(env.parse(source)) for name, source in templates.items()}
 
+    def replaced(self, source: str) -> ChatTemplate:
+        """A template compiled from `source` with this one's special tokens (a
+        request's own, as vLLM takes one with --trust-request-chat-template).
+        The last few are kept compiled: a client sends the same one again."""
+        return _replaced(source, tuple(sorted(self._special_tokens.items())))
+
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path, override: str | None = None) -> ChatTemplate:
         """`override`: a template (its Jinja source) used instead of the
@@ -307,3 +315,8 @@ class ChatTemplate:
             **variables,
         )
         return _cut_after_final_message(text, chat[-1]) if continue_final_message else text
+
+
+@functools.lru_cache(maxsize=16)
+def _replaced(source: str, special_tokens: tuple[tuple[str, str], ...]) -> ChatTemplate:
+    return ChatTemplate({"default": source}, dict(special_tokens), "the request's chat_template")

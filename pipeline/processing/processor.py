@@ -80,7 +80,8 @@ class Processor:
                     videos: Sequence[VideoPlan] = (), tools: Sequence[Mapping[str, Any]] | None = None,
                     add_generation_prompt: bool = True, template_kwargs: Mapping[str, Any] | None = None,
                     continue_final_message: bool = False, add_special_tokens: bool = False,
-                    documents: Sequence[Mapping[str, Any]] | None = None) -> MultimodalPrompt:
+                    documents: Sequence[Mapping[str, Any]] | None = None,
+                    template: ChatTemplate | None = None) -> MultimodalPrompt:
         """Token ids for a chat whose image parts, in order, have these
         (height, width) sizes and whose video parts these plans
         (processing.video.plan_video); the generation prompt is added unless
@@ -88,13 +89,14 @@ class Processor:
         (function definitions); `template_kwargs`: more template variables;
         `continue_final_message`: see ChatTemplate.render; `add_special_tokens`:
         the tokenizer's own (a BOS) around the rendered text; `documents`: the
-        template's (retrieved texts, for templates that take them)."""
+        template's (retrieved texts, for templates that take them); `template`:
+        one to render with instead of the checkpoint's (a request's own)."""
         if videos and self.video is None:
             raise ValueError("this model takes no video")
         grids = [self.image_grid(h, w) for h, w in image_sizes]
         merge = self.image_config.merge_size ** 2
         counts = [t * h * w // merge for t, h, w in grids]
-        text = self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+        text = (template or self.template).render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     documents=documents, continue_final_message=continue_final_message,
                                     **(template_kwargs or {}))
         if self.video is not None:

@@ -176,8 +176,7 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
     documents: list[dict[str, str]] | None = None   # vLLM's: for templates that take retrieved texts
     echo: bool = False
-    # Accepted only at its default (NOT_YET_SUPPORTED).
-    chat_template: str | None = None
+    chat_template: str | None = None   # only with --trust-request-chat-template (ModelInfo.template_for)
 
 
 class CompletionRequest(SamplingFields):
@@ -200,7 +199,6 @@ NOT_YET_SUPPORTED = {
     "suffix": lambda v: not v,
     "priority": _neutral,
     "logits_processors": _neutral,
-    "chat_template": lambda v: v is None,
 }
 # Template variables the server sets itself: chat_template_kwargs may not.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})

@@ -14,6 +14,7 @@ import msgspec
 from pipeline import protocol
 from pipeline.hashing import content_hash
 from pipeline.processing.image import ImageDecodeError, check_source_size, read_image_size
+from pipeline.processing.chat_template import ChatTemplate
 from pipeline.processing.processor import MultimodalPrompt, Processor
 from pipeline.processing.video import VideoOptions
 from pipeline.proxy.api_types import (
@@ -45,6 +46,7 @@ class ModelInfo:
     video_limits: VideoLimits = VideoLimits()
     served_names: tuple[str, ...] = ()   # what clients may call it (default: model_id)
     defaults: dict = field(default_factory=dict)   # generation_config.json's, for unset request fields
+    trust_request_chat_template: bool = False   # vLLM's flag: a request may bring its own chat template
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -54,6 +56,20 @@ class ModelInfo:
     def tag_tokens(self) -> frozenset[str]:
         """The tool-call tags its tokenizer has as tokens (proxy/tools.py)."""
         return tag_tokens_of(self.processor.tokenizer)
+
+    def template_for(self, source: str | None) -> ChatTemplate:
+        """The chat template a request renders with: the checkpoint's, or its
+        own `chat_template` where the server trusts requests with one (a
+        template is code: sandboxed, but a loop in it costs the proxy)."""
+        if source is None:
+            return self.processor.template
+        if not self.trust_request_chat_template:
+            raise ApiError("a chat_template in the request is refused: this server was not started with "
+                           "--trust-request-chat-template", param="chat_template")
+        try:
+            return self.processor.template.replaced(source)
+        except ValueError as exc:
+            raise ApiError(str(exc), param="chat_template") from None
 
     def check_name(self, name: str | None) -> str:
         """The name a response reports: the one asked for, else the first.
@@ -83,7 +99,8 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
                     reply_to: str, session=None) -> Work:
     tools = tool_request(req)
     messages, media = plain_messages(req.messages)
-    check_template_takes(model.processor.template, tools, messages, req.documents)
+    template = model.template_for(req.chat_template)
+    check_template_takes(template, tools, messages, req.documents)
     grammar = forced_grammar(tools, model.tag_tokens) if tools.forced else ""
     if len(media) > model.max_images:
         raise ApiError(f"too many images and videos: {len(media)} (at most {model.max_images} per request)",
@@ -101,7 +118,8 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
         # less than a thread hop costs under the GIL.
         prompt = model.processor.chat_prompt(messages, sizes, plans, tools.template_tools,
                                              req.add_generation_prompt, req.chat_template_kwargs,
-                                             req.continue_final_message, req.add_special_tokens, req.documents)
+                                             req.continue_final_message, req.add_special_tokens, req.documents,
+                                             template)
     except (ValueError, jinja2.TemplateError) as exc:
         raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
     # Items in prompt order are the media in message order.

@@ -16,9 +16,9 @@ from pipeline.proxy.access import (ARRIVED_KEY, MODEL_NAME_KEY, PARSE_TOOLS_KEY,
                                    add_cors, echo_request_id, error_middleware, response_id)
 from pipeline.proxy.api_types import ApiError, completion_prompts, parse_body
 from pipeline.proxy.dispatcher import Dispatcher
-from pipeline.proxy.flights import Flight
 from pipeline.proxy.echo import Echo, echoed_completion_logprobs
 from pipeline.proxy.fanout import ManyChoices, copies
+from pipeline.proxy.flights import Flight
 from pipeline.proxy.logprobs_format import (chat_logprobs, completion_logprobs, entries_of, prompt_logprobs,
                                             token_names)
 from pipeline.proxy.media_fetch import FetchPolicy, guarded_session

@@ -20,6 +20,7 @@ class TokenizeRequest(msgspec.Struct):
     add_special_tokens: bool | None = None   # vLLM's defaults: true for a prompt, false for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None     # as on chat completions (ModelInfo.template_for)
     tools: list | None = None            # function definitions for the chat template
 
 
@@ -53,9 +54,10 @@ def tokenize_handler(model: ModelInfo):
                 raise ApiError("/tokenize takes text messages only (no image_url or video_url parts)",
                                param="messages")
             tools = tool_request(req)
-            check_template_takes(model.processor.template, tools, messages)
+            template = model.template_for(req.chat_template)
+            check_template_takes(template, tools, messages)
             try:
-                text = model.processor.template.render(messages, add_generation_prompt=req.add_generation_prompt,
+                text = template.render(messages, add_generation_prompt=req.add_generation_prompt,
                                                        tools=tools.template_tools,
                                                        continue_final_message=req.continue_final_message)
             except (ValueError, jinja2.TemplateError) as exc:
