@@ -180,7 +180,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """The text's ids; with add_special_tokens, those the tokenizer's post-processor
-        adds around it (a BOS, say: none for Qwen's)."""
+        adds around it (a BOS, say; many add none)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
