@@ -235,6 +235,8 @@ class GenerateRequest(_Msg, tag="generate"):
     resumed_text_sent: int = 0
     # vLLM's cache_salt: prefix-cached blocks are shared only between requests with the same one.
     cache_salt: str = ""
+    # vLLM's priority (lower first), for a generator with --scheduling-policy priority.
+    priority: int = 0
 
 
 class TokenDelta(_Msg, tag="delta"):

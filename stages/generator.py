@@ -29,6 +29,7 @@ from pipeline.arg_parser import OneLineParser
 from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.engine.engine import Engine, EngineConfig
 from pipeline.engine.kv_budget import GIB
+from pipeline.engine.queue_order import POLICIES
 from pipeline.encoder.service import job_video_options
 from pipeline.generator.kv_sizing import (
     AUTO, CPU_KV_CACHE_MIB, check_context, kv_cache_bytes, kv_cache_mib_arg, utilization_arg)
@@ -127,6 +128,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="set a one-byte file at PATH while a step with prefill tokens runs, for the encoders "
                         "beside this generator on its GPU (their --yield-to-prefill; epd-launch "
                         "--encoder-yield-ms sets both)")
+    p.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
+                   help="fcfs, or priority: requests by their priority (lower first), then arrival, and the "
+                        "least urgent preempted first, as vLLM's flag (default: fcfs)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="keep the KV blocks of computed prompts, by content (tokens and images), for later "
                         "prompts that start the same way, as vLLM's flag (default: on)")
@@ -173,7 +177,8 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
                           dependent_launch=False if args.no_dependent_launch else None,
                           prefill_pacing_ms=args.prefill_pacing_ms,
                           prefill_pacing_max_hold_ms=args.prefill_pacing_max_hold_ms,
-                          cuda_graphs=not args.enforce_eager, prefix_caching=args.enable_prefix_caching)
+                          cuda_graphs=not args.enforce_eager, prefix_caching=args.enable_prefix_caching,
+                          scheduling_policy=args.scheduling_policy)
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
     if args.prefill_signal:
         engine.on_prefill = PrefillSignal(args.prefill_signal, writer=True).set

@@ -83,6 +83,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "one that takes tools for a checkpoint whose own does not")
     p.add_argument("--max-model-len", type=int, metavar="N",
                    help="prompt plus output tokens a request may have (default, and at most: the checkpoint's)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="the generators' (epd-launch passes both): with priority, requests may set a priority")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="a request may bring its own chat_template (vLLM's flag; without it such a request is a 400)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -158,7 +160,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       aggregated=args.mode == "aggregated", max_images=args.max_images,
                       served_names=tuple(args.served_model_name or ()),
                       defaults=sampling_defaults(args.generation_config, model_dir),
-                      trust_request_chat_template=args.trust_request_chat_template)
+                      trust_request_chat_template=args.trust_request_chat_template,
+                      scheduling_policy=args.scheduling_policy)
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout,

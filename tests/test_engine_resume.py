@@ -149,13 +149,14 @@ def test_a_resumed_prompt_must_end_with_the_earlier_tokens(tiny):
     assert not engine.live and not engine.has_work()
 
 
-def test_the_generator_hands_a_moved_request_s_earlier_tokens_and_cache_salt_to_its_engine(store):
+def test_the_generator_hands_a_moved_request_s_earlier_tokens_cache_salt_and_priority_to_its_engine(store):
     harness = Harness(store, FakeEngine())
     try:
         moved = msgspec.structs.replace(generate("r~1"), resumed_output=(4, 5), resumed_text_sent=3,
-                                        cache_salt="tenant-a")
+                                        cache_salt="tenant-a", priority=-2)
         harness.turn(moved, generate("fresh"))
         assert harness.engine.resumed == {"r~1": Resumed((4, 5), 3), "fresh": None}
         assert harness.engine.salts == {"r~1": "tenant-a", "fresh": ""}
+        assert harness.engine.priorities == {"r~1": -2, "fresh": 0}
     finally:
         harness.service.close()

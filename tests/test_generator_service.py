@@ -45,17 +45,19 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.resumed: dict = {}                       # request id -> the engine.Resumed it came with
         self.salts: dict[str, str] = {}               # request id -> its cache_salt
+        self.priorities: dict[str, int] = {}          # request id -> its priority
         self.script: list[list[RequestOutput]] = []   # what each step returns, in order
         self.refetch: list[str] = []                  # what the next take_refetches hands out
         self.steps = 0
 
     def add_request(self, request_id, prompt, image_keys, params, image_inputs=None, resumed=None,
-                    cache_salt="") -> None:
+                    cache_salt="", priority=0) -> None:
         if len(image_keys) != len(prompt.image_spans):
             raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
         self.requests[request_id] = list(image_keys)
         self.resumed[request_id] = resumed
         self.salts[request_id] = cache_salt
+        self.priorities[request_id] = priority
 
     def add_embedding(self, key, embedding) -> None:
         if embedding.shape[1] != WIDTH:

@@ -41,7 +41,6 @@ def chat_body(**extra) -> dict:
 REFUSED = {
     "functions": [{"name": "f"}], "function_call": "auto",
     "best_of": 2,
-    "priority": 1,
     "logits_processors": ["mod.Proc"],
 }
 
@@ -57,7 +56,7 @@ def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
             parse_body(json.dumps(chat_body(**{field: value})).encode(), "chat")
         assert caught.value.param == field and f"'{field}'" in str(caught.value) and caught.value.status == 400
     neutral = dict(tools=[], tool_choice="none", logprobs=False, top_logprobs=0,
-                   best_of=1, parallel_tool_calls=True, priority=0)
+                   best_of=1, parallel_tool_calls=True)
     parse_body(json.dumps(chat_body(**neutral)).encode(), "chat")
     for field, value in (("suffix", "tail"), ("tools", [{"type": "function"}]),
                          ("tool_choice", "auto")):

@@ -63,6 +63,8 @@ class EngineConfig:
     # blocks of computed prompts kept, by content, for later prompts that
     # start the same way (engine/prefix_cache.py).
     prefix_caching: bool = True
+    # vLLM's --scheduling-policy: fcfs, or priority (a request's priority, lower first; queue_order.py).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         if self.decode_matmul is not None and self.decode_matmul not in MATMULS:

@@ -74,7 +74,8 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_batched_tokens, config.max_num_seqs, config.block_size, num_blocks,
             config.encoder_cache_tokens, config.aggregated,
-            config.local_encode_tokens if config.aggregated else 0, config.prefix_caching))
+            config.local_encode_tokens if config.aggregated else 0, config.prefix_caching,
+            config.scheduling_policy))
         # One block more than the scheduler hands out: the null block that
         # padding rows of a fast decode step read and write.
         kv = PagedKVCache(lang.num_layers, num_blocks + 1, config.block_size, lang.kv_heads, lang.head_dim,
@@ -140,11 +141,11 @@ class Engine:
     def add_request(self, request_id: str, prompt: MultimodalPrompt, image_keys: list[str],
                     params: SamplingParams,
                     image_inputs: list[tuple[torch.Tensor, tuple[int, int, int]]] | None = None,
-                    resumed: Resumed | None = None, cache_salt: str = "") -> None:
+                    resumed: Resumed | None = None, cache_salt: str = "", priority: int = 0) -> None:
         """Queue a request. `image_keys[i]` names the embedding of image i
         (its content hash). In aggregated mode `image_inputs[i]` is image i's
         (pixel_values, grid), encoded here when the scheduler says so. `resumed`: it was
-        moved here after those tokens (its prompt ends with them). `cache_salt`: see Request."""
+        moved here after those tokens (its prompt ends with them). `cache_salt`, `priority`: see Request."""
         if len(image_keys) != len(prompt.image_spans):
             raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
         self._check_tokens(params)
@@ -158,7 +159,8 @@ class Engine:
         if len(items) != len({r.item for r in rows}):
             raise ValueError("the placeholder runs of one video carry different keys")
         request = Request(request_id, list(prompt.token_ids), spans, params,
-                          tuple(self.tokenizer.eos_token_ids), self._arrivals, cache_salt=cache_salt)
+                          tuple(self.tokenizer.eos_token_ids), self._arrivals, cache_salt=cache_salt,
+                          priority=priority)
         self._arrivals += 1
         positions, delta = self.model.prompt_positions(len(prompt.token_ids), prompt.image_spans, prompt.grids,
                                                        list(prompt.seconds_per_grid) or None)

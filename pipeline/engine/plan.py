@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.engine.queue_order import POLICIES
 from pipeline.engine.request import ImageSpan, RequestStatus
 
 
@@ -17,6 +18,7 @@ class SchedulerConfig:
     aggregated: bool = False          # no encoders: the generator runs the vision tower itself
     local_encode_tokens: int = 0      # image tokens encoded locally per step (aggregated only)
     prefix_caching: bool = False      # computed prompt blocks kept for later prompts (prefix_cache.py)
+    policy: str = "fcfs"              # the queues' order (queue_order.py)
 
     def __post_init__(self) -> None:
         for name, minimum in (("max_num_batched_tokens", 1), ("max_num_seqs", 1), ("block_size", 1),
@@ -24,6 +26,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= {minimum}, got {value!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if self.aggregated and self.local_encode_tokens < 1:
             raise ValueError("SchedulerConfig.local_encode_tokens must be >= 1 in aggregated mode")
         if not self.aggregated and self.local_encode_tokens:

@@ -82,6 +82,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival: int = 0                  # arrival index, for FIFO order and metrics
     cache_salt: str = ""              # prefix-cached blocks are shared only with requests of the same salt
+    priority: int = 0                 # lower first, under the priority policy (queue_order.py)
     # Mutated by the scheduler.
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0      # tokens whose KV is in the cache

@@ -38,6 +38,7 @@ from pipeline.engine.admission import check_admissible
 from pipeline.engine.kv_blocks import BlockPool, blocks_needed
 from pipeline.engine.plan import Chunk, FinishedRequest, SchedulerConfig, StepPlan
 from pipeline.engine.prefix_cache import PrefixCache, PrefixCachingPool
+from pipeline.engine.queue_order import admit, enqueue, settle
 from pipeline.engine.request import PENDING_TOKEN, ImageSpan, Request, RequestStatus, stop_status
 
 __all__ = ["Chunk", "FinishedRequest", "PENDING_TOKEN", "Scheduler", "SchedulerConfig", "StepPlan"]
@@ -72,7 +73,7 @@ class Scheduler:
             self.block_pool = BlockPool(config.num_blocks, config.block_size)
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []   # priority order: the last is preempted first
+        self.running: list[Request] = []   # in queue_order's order: the last is preempted first
         self._requests: dict[str, Request] = {}
         self._cache_keys: dict[str, set[str]] = {}   # request id -> keys it is a user of
         self._refetch: list[str] = []         # evicted between steps, still needed
@@ -87,7 +88,7 @@ class Scheduler:
             raise ValueError(f"request {request.request_id} is already scheduled")
         check_admissible(self.config, request)
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        enqueue(self.waiting, request, self.config.policy)
         self._sync_cache_users(request)
 
     def abort(self, request_id: str) -> bool:
@@ -143,6 +144,7 @@ class Scheduler:
         self._schedule_running(plan, budget, prefill)
         if prefill and not plan.preempted:   # blocks were short for running requests: admit nobody
             self._schedule_waiting(plan, budget)
+            settle(self.waiting, self.config.policy)
         self._in_flight = keys_read(plan)
         return plan
 
@@ -182,7 +184,7 @@ class Scheduler:
                 return   # no preemption to admit; later arrivals do not jump the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            admit(self.running, request, self.config.policy)
             if self.prefix:
                 self.prefix.admitted(request, reused)
                 self._sync_cache_users(request)   # images inside the reused prefix are not read
@@ -276,7 +278,7 @@ class Scheduler:
         request.num_computed_tokens = 0   # recompute: the KV is gone (bar prefix-cached blocks, found again)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        enqueue(self.waiting, request, self.config.policy, preempted=True)
         self._sync_cache_users(request)
         plan.preempted.append(request.request_id)
         self.stats["preemptions_total"] += 1

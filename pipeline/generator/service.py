@@ -220,7 +220,7 @@ class GeneratorService:
             inputs = [inputs[r.item] for r in rows]
         resumed = Resumed(req.resumed_output, req.resumed_text_sent) if req.resumed_output else None
         self.engine.add_request(req.request_id, prompt, list(req.image_keys), params, inputs, resumed,
-                                cache_salt=req.cache_salt)
+                                cache_salt=req.cache_salt, priority=req.priority)
 
     def release(self, ready: protocol.EmbeddingReady) -> None:
         """Give a handle's lease back unread."""

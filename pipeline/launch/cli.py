@@ -158,6 +158,8 @@ def _add_engine_and_api_flags(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs in the generators: nothing captured at start-up, slower steps "
                         "(encoders replay vision graphs only when given --vision-graphs)")
+    engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
+                        help="fcfs, or priority: requests by their priority field, lower first (default: fcfs)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         help="reuse the KV of prompts' common starts, images included (default: on)")
     engine.add_argument("--max-model-len", type=int, metavar="N",
@@ -235,6 +237,8 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
         out.append(("generator", "--enforce-eager"))
     if args.enable_prefix_caching is not None:
         out.append(("generator", f"--{'' if args.enable_prefix_caching else 'no-'}enable-prefix-caching"))
+    if args.scheduling_policy is not None:   # the proxy refuses priorities unless the generators take them
+        out += [(role, f"--scheduling-policy={args.scheduling_policy}") for role in ("generator", "proxy")]
     for name in ("log_level", "log_format"):
         if getattr(args, name) is not None:
             out += [(role, f"--{name.replace('_', '-')}={getattr(args, name)}") for role in ROLES]

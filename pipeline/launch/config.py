@@ -23,6 +23,7 @@ Placement = Literal["auto", "colocated", "dedicated"]
 Mps = Literal["auto", "on", "off"]
 EncoderPriority = Literal["normal", "below-normal"]
 EncodeFallback = Literal["off", "local"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 ENCODE_FALLBACKS = typing.get_args(EncodeFallback)
 
 
@@ -67,6 +68,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     max_model_len: int | None = None
     enforce_eager: bool | None = None
     enable_prefix_caching: bool | None = None
+    scheduling_policy: SchedulingPolicy | None = None
     limit_mm_per_prompt: dict[str, int] | None = None
     prefill_pacing_ms: float | None = None
     prefill_pacing_max_hold_ms: float | None = None

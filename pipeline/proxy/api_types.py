@@ -155,8 +155,8 @@ class SamplingFields(msgspec.Struct):
     return_tokens_as_token_ids: bool | None = None   # logprobs name tokens "token_id:<id>"
     bad_words: list[str] | None = None   # never written (proxy/sampling_fields.py)
     truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens (-1: the context's length)
+    priority: int = 0   # vLLM's: lower first, with --scheduling-policy priority
     # vLLM's own fields accepted only at their defaults (NOT_YET_SUPPORTED).
-    priority: int = 0
     logits_processors: list | None = None
     # vLLM's: only requests with the same salt share prefix-cached KV blocks.
     cache_salt: str | None = None
@@ -197,7 +197,6 @@ NOT_YET_SUPPORTED = {
     "functions": _neutral, "function_call": lambda v: v in (None, "none"),   # the legacy form of tools
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: not v,
-    "priority": _neutral,
     "logits_processors": _neutral,
 }
 # Template variables the server sets itself: chat_template_kwargs may not.

@@ -47,6 +47,7 @@ class ModelInfo:
     served_names: tuple[str, ...] = ()   # what clients may call it (default: model_id)
     defaults: dict = field(default_factory=dict)   # generation_config.json's, for unset request fields
     trust_request_chat_template: bool = False   # vLLM's flag: a request may bring its own chat template
+    scheduling_policy: str = "fcfs"   # the generators' (vLLM's --scheduling-policy): priority takes priorities
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -278,13 +279,21 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
     request = protocol.GenerateRequest(request_id, tuple(ids), tuple(prompt.image_spans),
                                        tuple(items[i].key for i in span_items), tuple(prompt.grids), sampling,
                                        reply_to, media, tuple(prompt.seconds_per_grid), kinds, fps, frames,
-                                       cache_salt=_cache_salt(req))
+                                       cache_salt=_cache_salt(req), priority=_priority(req, model))
     jobs = [protocol.EncodeJob(f"{request_id}/{i}", request_id, item.key, item.media, "", tokens, reply_to,
                                item.kind, fps if item.kind == "video" else None,
                                frames if item.kind == "video" else None)
             for i, (item, tokens) in enumerate(zip(items, item_tokens))]
     return Work(request, jobs, len(ids) + max_tokens, tokens_as_ids=bool(req.return_tokens_as_token_ids),
                 prompt_logprobs=req.prompt_logprobs is not None, echo=echo)
+
+
+def _priority(req, model: ModelInfo) -> int:
+    if req.priority and model.scheduling_policy != "priority":
+        # vLLM's answer too: a priority means nothing to a first-come, first-served queue.
+        raise ApiError(f"priority {req.priority} needs the generators' priority scheduling "
+                       "(--scheduling-policy priority)", param="priority")
+    return req.priority
 
 
 def _cache_salt(req) -> str:
