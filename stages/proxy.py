@@ -33,6 +33,7 @@ from pipeline.proxy.media_fetch import FetchPolicy
 from pipeline.proxy.requests import ModelInfo
 from pipeline.proxy.sampling_defaults import sampling_defaults
 from pipeline.proxy.server import ProxyApp
+from pipeline.proxy.tls import add_tls_flags, check_tls_flags, server_context
 from pipeline.models.hub_cache import model_dir_arg
 
 
@@ -102,8 +103,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--orphan-timeout", type=float, default=60.0, metavar="S",
                    help="seconds the requests of a generator that looks down wait, while no other generator is "
                    "up, for it to answer again, restart, or another to come up; then they fail with 503")
+    add_tls_flags(p)
     add_log_flags(p)
     args = p.parse_args(argv)
+    check_tls_flags(p, args)
     args.encoders, args.generators = _addresses(args.encoders), _addresses(args.generators)
     if not args.generators:
         p.error("at least one --generators address is required")
@@ -179,11 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_format)
     transport.install_event_loop()
     try:
+        tls = server_context(args)   # before anything binds: a bad key file stops it at once
         app = build_app(args)
     except zmq.ZMQError as exc:
         print(f"stages.proxy: error: cannot bind its inbox: {exc}", file=sys.stderr)
         return 1
-    except (ModelLoadError, ValueError, FileNotFoundError) as exc:
+    except (ModelLoadError, ValueError, OSError) as exc:   # OSError: a file, or TLS's (ssl.SSLError)
         print(f"stages.proxy: error: {exc}", file=sys.stderr)
         return 1
     try:
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         # handler_cancellation: a client that hangs up cancels its handler at
         # once, which aborts its request in the generators.
         web.run_app(app, host=args.host, port=args.port, print=None, access_log=None,
-                    shutdown_timeout=HANDLER_GRACE_S, handler_cancellation=True)
+                    shutdown_timeout=HANDLER_GRACE_S, handler_cancellation=True, ssl_context=tls)
     except OSError as exc:   # the HTTP port is taken (or not ours to bind)
         print(f"stages.proxy: error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

@@ -302,10 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         line += ("; MPS: a daemon for every GPU stage" if mps else "; MPS off" if options.mps == "off" else
                  "; MPS not needed: no GPU is shared")
     print(line, flush=True)
-    config = SupervisorConfig(tuple(specs), http_url(options.host, options.port, "/health", for_client=True),
-                              http_url(options.host, options.port, "/v1"), ready_timeout=args.ready_timeout,
-                              stop_timeout=args.stop_timeout, log_dir=log_dir, drain_timeout=options.drain_timeout,
-                              mps=mps)
+    tls = bool(args.ssl_certfile)
+    health = http_url(options.host, options.port, "/health", for_client=True, tls=tls)
+    config = SupervisorConfig(tuple(specs), health, http_url(options.host, options.port, "/v1", tls=tls),
+                              ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout, log_dir=log_dir,
+                              drain_timeout=options.drain_timeout, mps=mps)
     return run_supervisor(config)
 
 

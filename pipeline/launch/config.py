@@ -75,6 +75,10 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     generation_config: str | None = None
     enable_prompt_tokens_details: bool | None = None
     trust_request_chat_template: bool | None = None
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: Literal[0, 1, 2] | None = None
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     trust_remote_code: bool | None = None

@@ -309,16 +309,16 @@ def mps_config(options: LaunchOptions, specs: list[StageSpec], run_dir: Path) ->
                      shared=tuple(shared))
 
 
-def http_url(host: str, port: int, path: str, *, for_client: bool = False) -> str:
+def http_url(host: str, port: int, path: str, *, for_client: bool = False, tls: bool = False) -> str:
     """`for_client`: a wildcard bind address becomes loopback, so the
-    launcher can poll a proxy listening on every interface."""
+    launcher can poll a proxy listening on every interface; `tls`: https."""
     if for_client and host in ("0.0.0.0", ""):
         host = "127.0.0.1"
     elif for_client and host == "::":
         host = "::1"
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}{path}"
+    return f"{'https' if tls else 'http'}://{host}:{port}{path}"
 
 
 def host_facts(options: LaunchOptions) -> HostFacts:

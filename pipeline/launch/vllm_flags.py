@@ -6,6 +6,9 @@ line otherwise (a flag is never silently dropped)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from pipeline.proxy.tls import add_tls_flags, check_tls_flags
 
 # The tool-call format the proxy parses (pipeline/proxy/tool_parser.py): Hermes's
 # <tool_call> blocks, what vLLM's hermes parser reads.
@@ -34,6 +37,7 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                        help="accepted: tool calls are always parsed (tool_choice auto is the default with tools)")
     group.add_argument("--tool-call-parser", metavar="NAME",
                        help=f"{', '.join(TOOL_CALL_PARSERS)} only: the format the proxy parses")
+    add_tls_flags(group)   # HTTPS, passed to the proxy (pipeline/proxy/tls.py)
 
 
 def check_vllm_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -41,6 +45,10 @@ def check_vllm_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.tensor_parallel_size is not None and args.tensor_parallel_size != 1:
         p.error(f"--tensor-parallel-size {args.tensor_parallel_size}: a generator runs on one GPU here; "
                 "use --generators N for more generators")
+    check_tls_flags(p, args)
+    if args.ssl_cert_reqs == 2:
+        p.error("--ssl-cert-reqs 2: the launcher's own /health check has no client certificate; "
+                "use 1 (a certificate sent is checked) or start stages.proxy yourself")
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
         p.error(f"--tool-call-parser {args.tool_call_parser}: the proxy parses "
                 f"{' or '.join(TOOL_CALL_PARSERS)} tool calls only")
@@ -57,6 +65,11 @@ def proxy_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
         out.append(("proxy", "--enable-prompt-tokens-details"))
     if args.trust_request_chat_template:
         out.append(("proxy", "--trust-request-chat-template"))
+    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):   # absolute: the proxy runs in its own folder
+        if getattr(args, name):
+            out.append(("proxy", f"--{name.replace('_', '-')}={Path(getattr(args, name)).resolve()}"))
+    if args.ssl_cert_reqs is not None:
+        out.append(("proxy", f"--ssl-cert-reqs={args.ssl_cert_reqs}"))
     if args.allowed_media_domains:   # nargs="+" on the proxy: one flag, then every host
         out += [("proxy", "--allowed-media-domains"), *(("proxy", host) for host in args.allowed_media_domains)]
     return out
