@@ -33,6 +33,7 @@ from pipeline.models.loader import load_config, resolve_device
 from pipeline.models.stage_model import add_random_weights_flag, load_stage_model, stage_model_dir
 from pipeline.models.vision_flags import add_vision_graph_flags, check_vision_graph_flags, stage_vision_forward
 from pipeline.processing.image import ImageProcessorConfig
+from pipeline.processing.image_config import add_mm_processor_kwargs_flag
 from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import video_config_of
 from pipeline.prefill_signal import PrefillHold, PrefillSignal
@@ -62,6 +63,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="default: bfloat16 on CUDA, float32 on CPU")
     add_cpu_threads_flag(p)
     p.add_argument("--media-backend", default="auto", help="image decoder: auto, pillow, dali or nvjpeg")
+    add_mm_processor_kwargs_flag(p)
     p.add_argument("--video-backend", default="auto",
                    help="video decoder: auto (DALI's NVDEC on CUDA, else PyAV), pyav or dali")
     p.add_argument("--arena-mib", type=int, default=None,
@@ -121,7 +123,7 @@ async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: trans
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     model_dir = stage_model_dir(args.model, args.random_weights)
     tower = load_stage_model(model_dir, args.random_weights, dtype, device, part="visual")
-    image_config = ImageProcessorConfig.from_checkpoint(model_dir)
+    image_config = ImageProcessorConfig.from_checkpoint(model_dir, args.mm_processor_kwargs)
     family, config = load_config(model_dir)
     video_config = video_config_of(model_dir, video_tokens_of(family.spec(config)))
     media = create_backend(args.media_backend, device)

@@ -48,6 +48,7 @@ from pipeline.models.stage_model import add_random_weights_flag, load_stage_mode
 from pipeline.prefill_signal import PrefillSignal
 from pipeline.models.vision_flags import add_vision_graph_flags, check_vision_graph_flags, stage_vision_forward
 from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
+from pipeline.processing.image_config import add_mm_processor_kwargs_flag
 from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import video_config_of
 from pipeline.processing.tokenizer import Tokenizer
@@ -109,6 +110,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--embedding-timeout", type=float, default=60.0, help="seconds an image may take")
     add_hang_timeout_flag(p, "the engine loop")
     p.add_argument("--media-backend", default="auto", help="aggregated mode, fallback encodes: image decoder")
+    add_mm_processor_kwargs_flag(p)
     p.add_argument("--video-backend", default="auto",
                    help="aggregated mode, fallback encodes: video decoder (auto, pyav, dali)")
     p.add_argument("--media-budget-mib", type=int, default=2048,
@@ -185,17 +187,18 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
     blocks = engine.scheduler.config.num_blocks
     log.info("KV cache: %.2f GiB (%d MiB), %d blocks of %d tokens, %d tokens (%s)", kv_bytes / GIB,
              kv_bytes >> 20, blocks, args.block_size, blocks * args.block_size, sized_by)
+    images = args.mm_processor_kwargs   # the image settings, as the proxy and the encoders have them
     if aggregated:
         engine.runner.vision = stage_vision_forward(model.visual, device, args,
-                                                    ImageProcessorConfig.from_checkpoint(model_dir))
+                                                    ImageProcessorConfig.from_checkpoint(model_dir, images))
     decode, local = None, None
     if aggregated or tower is not None:
         video_config = video_config_of(model_dir, video_tokens_of(engine.model.spec))
-        decode_items = media_decoder(args.media_backend, args.video_backend, device, model_dir, video_config)
+        decode_items = media_decoder(args.media_backend, args.video_backend, device, model_dir, video_config, images)
         decode = request_decoder(decode_items) if aggregated else None
     if tower is not None:
         log.info("--encode-fallback local: the vision tower is loaded, for images sent here while no encoder is up")
-        forward = stage_vision_forward(tower, device, args, ImageProcessorConfig.from_checkpoint(model_dir))
+        forward = stage_vision_forward(tower, device, args, ImageProcessorConfig.from_checkpoint(model_dir, images))
         local = LocalEncoder(forward, job_decoder(decode_items), device, args.local_encode_tokens)
     # Last: nothing after it may fail and leave the rings' shared memory behind.
     rings = {} if aggregated else ring.create_inbound(args.instance, args.encoders)
@@ -214,12 +217,13 @@ def fallback_tower(args: argparse.Namespace, model: torch.nn.Module, model_dir: 
     return load_stage_model(model_dir, args.random_weights, dtype, device, part="visual")
 
 
-def media_decoder(backend: str, video_backend: str, device, model_dir: Path, video_config):
+def media_decoder(backend: str, video_backend: str, device, model_dir: Path, video_config,
+                  image_overrides: dict[str, int] | None = None):
     """Media decoded here: (kinds, blobs, video options) -> [(pixel_values,
     grid)] per item, ValueError for a bad image or video."""
     media = create_backend(backend, device)
     videos = create_video_backend(video_backend, device) if video_config is not None else None
-    image_config = ImageProcessorConfig.from_checkpoint(model_dir)
+    image_config = ImageProcessorConfig.from_checkpoint(model_dir, image_overrides)
     # Several workers call these at once (receive); a backend that cannot take that is used by one at a time.
     media_lock = contextlib.nullcontext() if media.thread_safe else threading.Lock()
     video_lock = contextlib.nullcontext() if videos is None or videos.thread_safe else threading.Lock()

@@ -25,6 +25,7 @@ from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config
 from pipeline.models.tiny import default_model_dir
 from pipeline.processing.chat_template import is_template_text
+from pipeline.processing.image_config import add_mm_processor_kwargs_flag
 from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import Processor
 from pipeline.proxy.access import AccessPolicy
@@ -82,6 +83,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) instead of the checkpoint's, e.g. "
                         "one that takes tools for a checkpoint whose own does not")
+    add_mm_processor_kwargs_flag(p)
     p.add_argument("--max-model-len", type=int, metavar="N",
                    help="prompt plus output tokens a request may have (default, and at most: the checkpoint's)")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
@@ -153,7 +155,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     family, config = load_config(model_dir)
     spec = family.spec(config)
     processor = Processor.from_checkpoint(model_dir, spec.image_token_id, video_tokens_of(spec),
-                                          chat_template_arg(args.chat_template))
+                                          chat_template_arg(args.chat_template), args.mm_processor_kwargs)
     model_id = args.model_id or Path(model_dir).name
     if args.max_model_len is not None and not 1 <= args.max_model_len <= spec.language.max_context:
         raise ValueError(f"--max-model-len {args.max_model_len}: this checkpoint takes 1 to "

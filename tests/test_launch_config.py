@@ -218,3 +218,16 @@ def test_prefix_caching_from_a_config_file_reaches_the_generators(tmp_path, tiny
     specs = plan_stages(cli.build_options(args), HostFacts(gpu_count=0))
     generator = generator_args(list(next(s for s in specs if s.role == "generator").args))
     assert generator.enable_prefix_caching is on
+
+
+def test_mm_processor_kwargs_reach_every_stage_alike_from_the_flag_and_the_file(tiny_dir, tmp_path):
+    path = write(tmp_path, 'mm-processor-kwargs: {"max_pixels": 50176}\n')
+    for argv in ([str(tiny_dir), "--device", "cpu", "--mm-processor-kwargs", '{"max_pixels": 50176}'],
+                 ["--config", str(path), str(tiny_dir), "--device", "cpu"]):
+        specs = plan_stages(cli.build_options(cli.parse_args(argv)), HostFacts(gpu_count=0))
+        for role in ("proxy", "encoder", "generator"):
+            assert '--mm-processor-kwargs={"max_pixels": 50176}' in next(s for s in specs if s.role == role).args
+    for value, says in (('{"fps": 2}', "sets only"), ('{"max_pixels": 10}', "max_pixels"), ("[1]", "JSON object")):
+        refused = subprocess.run([sys.executable, str(REPO / "bin" / "epd-launch"), str(tiny_dir), "--device", "cpu",
+                                  "--mm-processor-kwargs", value], capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and says in refused.stderr and len(refused.stderr.strip().splitlines()) == 1

@@ -175,7 +175,10 @@ class EncoderService:
         if key != job.content_hash:
             # The address is always ours to compute: a client-chosen id must
             # never make a request receive another image's embedding.
-            self._fail(job, "content hash does not match the media bytes", retryable=False)
+            # The salt holds the image settings too: a proxy given other
+            # --mm-processor-kwargs than this encoder lands here as well.
+            self._fail(job, "content hash does not match the media bytes and this encoder's image settings "
+                       "(are the proxy and the encoders given the same --mm-processor-kwargs?)", retryable=False)
             return
         entry = self.store.index.get(key)
         if entry is not None and entry.state is State.READY:

@@ -27,6 +27,7 @@ from pipeline.launch.supervisor import SupervisorConfig, run_supervisor
 from pipeline.launch.systemd_units import write_units
 from pipeline.logs import FORMATS, LEVELS
 from pipeline.processing.chat_template import is_template_text
+from pipeline.processing.image_config import mm_processor_kwargs_arg
 from pipeline.models.shape_configs import SHAPES  # torch-free
 from pipeline.models.hub_cache import model_dir_arg
 from pipeline.launch.vllm_flags import add_vllm_flags, check_vllm_flags, proxy_flags
@@ -168,6 +169,9 @@ def _add_engine_and_api_flags(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--limit-mm-per-prompt", type=_mm_limits, metavar="JSON",
                         help='e.g. \'{"image": 4, "video": 1}\': the proxy refuses a request with more media; '
                         "our limit is one count over images and videos together (their sum)")
+    engine.add_argument("--mm-processor-kwargs", type=mm_processor_kwargs_arg, metavar="JSON",
+                        help="the image processor's bounds for every request, e.g. '{\"max_pixels\": 1003520}' "
+                        "(passed to the proxy, the encoders and the generators alike)")
     engine.add_argument("--prefill-pacing-ms", type=float, metavar="MS",
                         help="ours (vllm serve has none): hold prefill while decoding requests' mean time between "
                         "tokens would pass MS, trading time to first token for steadier decode (default: off)")
@@ -248,6 +252,9 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
         out += [(role, f"--max-model-len={args.max_model_len}") for role in ("generator", "proxy")]
     if args.limit_mm_per_prompt is not None:
         out.append(("proxy", f"--max-images={sum(args.limit_mm_per_prompt.values())}"))
+    if args.mm_processor_kwargs is not None:   # the same everywhere, or a prompt's image tokens disagree
+        value = json.dumps(args.mm_processor_kwargs)
+        out += [(role, f"--mm-processor-kwargs={value}") for role in ("proxy", "encoder", "generator")]
     out += proxy_flags(args)
     if args.served_model_name:   # nargs="+" on the proxy: one flag, then every name
         out += [("proxy", "--served-model-name"), *(("proxy", name) for name in args.served_model_name)]

@@ -70,6 +70,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     enable_prefix_caching: bool | None = None
     scheduling_policy: SchedulingPolicy | None = None
     limit_mm_per_prompt: dict[str, int] | None = None
+    mm_processor_kwargs: dict[str, int] | None = None
     prefill_pacing_ms: float | None = None
     prefill_pacing_max_hold_ms: float | None = None
     generation_config: str | None = None
@@ -146,7 +147,7 @@ def as_flags(config: LaunchFile) -> list[str]:
             flags += [flag, *([value] if isinstance(value, str) else value)]
         elif field == "gpus":
             flags.append(f"{flag}={','.join(str(g) for g in value)}")
-        elif field in ("allowed_origins", "limit_mm_per_prompt"):
+        elif field in ("allowed_origins", "limit_mm_per_prompt", "mm_processor_kwargs"):
             flags.append(f"{flag}={json.dumps(value)}")
         else:
             flags.append(f"{flag}={value}")

@@ -10,8 +10,10 @@ key of `processor_config.json`; both are read as the reference reads them.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -120,16 +122,17 @@ class ImageProcessorConfig:
         return ALGORITHM_VERSION + "|" + "|".join(parts)
 
     @classmethod
-    def from_checkpoint(cls, model_dir: Path) -> ImageProcessorConfig:
+    def from_checkpoint(cls, model_dir: Path, overrides: Mapping[str, int] | None = None) -> ImageProcessorConfig:
         """The checkpoint folder's settings; the defaults when it has none.
 
         Both size styles are accepted: legacy top-level `min_pixels`/`max_pixels`
         and `size: {shortest_edge, longest_edge}`. As in the reference processor,
-        the legacy keys win when both are present.
+        the legacy keys win when both are present. `overrides`: the server's
+        own (vLLM's --mm-processor-kwargs; SERVER_OVERRIDES), over the folder's.
         """
         found = read_settings(Path(model_dir))
         if found is None:
-            return cls()
+            return cls(**(overrides or {}))
         raw, origin = found
         for key, expected in FIXED_STEPS:
             if key in raw and raw[key] != expected:
@@ -138,7 +141,7 @@ class ImageProcessorConfig:
         for name in _PLAIN_SETTINGS:
             if raw.get(name) is not None:
                 kwargs[name] = raw[name]
-        return cls(**kwargs)
+        return cls(**{**kwargs, **(overrides or {})})
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:
@@ -191,3 +194,36 @@ def _size_from_json(raw: dict[str, Any], origin: str) -> dict[str, Any]:
         raise ValueError(f"{origin}: size must contain shortest_edge and longest_edge "
                          f"(or give min_pixels and max_pixels), got {size!r}")
     return out
+
+
+# The image processor settings a server may set for every request
+# (--mm-processor-kwargs): the resized area's bounds, which set how many
+# tokens an image costs.
+SERVER_OVERRIDES = ("min_pixels", "max_pixels")
+
+
+def mm_processor_kwargs_arg(text: str) -> dict[str, int]:
+    """--mm-processor-kwargs's JSON, e.g. '{"max_pixels": 1003520}'; an
+    argparse error naming what is wrong."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"max_pixels\": 1003520}}', got {text!r}")
+    if unknown := sorted(set(value) - set(SERVER_OVERRIDES)):
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: the server sets only {', '.join(SERVER_OVERRIDES)}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
+        raise argparse.ArgumentTypeError(f"{text}: the values are pixel counts (integers)")
+    try:
+        ImageProcessorConfig(**value)   # the bounds' own checks (at least one token, min <= max)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def add_mm_processor_kwargs_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mm-processor-kwargs", type=mm_processor_kwargs_arg, metavar="JSON",
+                   help="the image processor's bounds for every request, as vLLM's flag: "
+                        "'{\"max_pixels\": N, \"min_pixels\": M}' over the checkpoint's; the proxy, the encoders "
+                        "and the generators must be given the same (epd-launch passes it to all)")

@@ -66,11 +66,12 @@ class Processor:
 
     @classmethod
     def from_checkpoint(cls, model_dir: Path, image_token_id: int, video: VideoTokens | None = None,
-                        chat_template: str | None = None) -> Processor:
+                        chat_template: str | None = None, image_overrides: dict[str, int] | None = None) -> Processor:
         """`video`: the model's video tokens (media_prompt.video_tokens_of); None: images only.
-        `chat_template`: a template's source to use instead of the checkpoint's."""
+        `chat_template`: a template's source to use instead of the checkpoint's.
+        `image_overrides`: the server's image settings (--mm-processor-kwargs)."""
         return cls(Tokenizer.from_checkpoint(model_dir), ChatTemplate.from_checkpoint(model_dir, chat_template),
-                   ImageProcessorConfig.from_checkpoint(model_dir), image_token_id, video,
+                   ImageProcessorConfig.from_checkpoint(model_dir, image_overrides), image_token_id, video,
                    video_config_of(model_dir, video))
 
     def image_grid(self, height: int, width: int) -> Grid:
