@@ -184,7 +184,7 @@ async def _until_stopped(*work) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    setup_logging(args.log_level, args.log_format)
+    setup_logging(args.log_level, args.log_format, args.disable_log_stats, args.disable_log_requests)
     transport.install_event_loop()
     try:
         asyncio.run(serve(args))

@@ -320,7 +320,7 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    setup_logging(args.log_level, args.log_format)
+    setup_logging(args.log_level, args.log_format, args.disable_log_stats, args.disable_log_requests)
     ctx = zmq.Context()
     try:
         # Bound before the model loads: a taken address fails in a second,

@@ -181,7 +181,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    setup_logging(args.log_level, args.log_format)
+    setup_logging(args.log_level, args.log_format, args.disable_log_stats, args.disable_log_requests)
     transport.install_event_loop()
     try:
         tls = server_context(args)   # before anything binds: a bad key file stops it at once

@@ -155,7 +155,7 @@ def test_a_file_of_every_key_round_trips():
 VLLM_LINE = ["--trust-remote-code", "-tp", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
              "--generation-config", "vllm", "--allowed-local-media-path", "/data/media",
              "--enable-prompt-tokens-details", "--allowed-media-domains", "a.example", "b.example",
-             "--trust-request-chat-template"]
+             "--trust-request-chat-template", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests"]
 
 
 def proxy_of(args):
@@ -170,7 +170,9 @@ def test_a_vllm_serve_command_line_carries_over(tiny_dir):
     proxy = proxy_of(args)
     assert proxy.generation_config == "vllm" and [str(p) for p in proxy.allow_file_dir] == ["/data/media"]
     assert proxy.allowed_media_domains == ["a.example", "b.example"] and proxy.enable_prompt_tokens_details
-    assert proxy.trust_request_chat_template
+    assert proxy.trust_request_chat_template and proxy.disable_log_requests and proxy.disable_log_stats
+    specs = plan_stages(cli.build_options(args), HostFacts(gpu_count=0))
+    assert all("--disable-log-stats" in s.args and "--disable-log-requests" in s.args for s in specs)
     plain = proxy_of(cli.parse_args([str(tiny_dir), "--device", "cpu"]))
     assert not plain.enable_prompt_tokens_details and not plain.trust_request_chat_template
 

@@ -73,3 +73,36 @@ def test_max_model_len_bounds_prompt_and_output(logged):
     fits = httpx.post(logged.base_url + "/v1/chat/completions", timeout=60,
                       json={"model": "tiny", "messages": chat_messages([], "short"), "max_tokens": 8})
     assert fits.status_code == 200
+
+
+QUIET = """
+import sys
+from types import SimpleNamespace
+from pipeline import protocol
+from pipeline.logs import setup_logging
+from pipeline.proxy.request_log import log_finished
+import pipeline.generator.service as generator_service, pipeline.encoder.periodic as encoder_periodic
+setup_logging("info", "text", disable_stats=sys.argv[1] == "1", disable_requests=sys.argv[2] == "1")
+work = SimpleNamespace(client_id="", request=SimpleNamespace(request_id="r1"))
+flight = SimpleNamespace(work=work, tokens=3, created=0.0, generator="g0", attempt=0, first_token_at=None)
+log_finished(flight, protocol.TokenDelta("r1", (), "", True, "stop", 5, 3), 1.0)
+log_finished(flight, protocol.TokenDelta("r1", (), "", True, "error", 5, 0, error="it broke", status=500), 1.0)
+for stats in (generator_service.stats_log, encoder_periodic.stats_log):
+    stats.info("%s profile line", stats.name)
+"""
+
+
+@pytest.mark.parametrize("stats, requests", [(False, False), (True, False), (False, True), (True, True)])
+def test_vllms_disable_log_flags_quiet_the_stats_and_request_lines_but_not_failures(stats, requests):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    run = subprocess.run([sys.executable, "-c", QUIET, str(int(stats)), str(int(requests))], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    log = run.stderr
+    assert ("epd.stats INFO epd.stats profile line" in log) is not stats and log.count("profile line") in (0, 2)
+    assert ("status=stop" in log) is not requests
+    assert "WARNING request r1 finished" in log and "it broke" in log   # a failure always

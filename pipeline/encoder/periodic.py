@@ -10,8 +10,10 @@ import time
 from collections import Counter
 
 from pipeline.encoder.profile import profile_line
+from pipeline.logs import STATS_LOGGER
 
 log = logging.getLogger("epd.encoder")
+stats_log = logging.getLogger(STATS_LOGGER)   # --disable-log-stats quiets it
 PROFILE_LOG_S = 10.0   # how often the busy profile is logged while there is work
 
 # Each takes the EncoderService (not imported: it imports this).
@@ -28,7 +30,7 @@ async def profile_loop(service) -> None:
         service.busy_totals.update(busy)
         if busy:
             line = profile_line(busy, time.monotonic() - started, len(service.decoded), len(service.to_decode))
-            log.info("encoder profile %s", line)
+            stats_log.info("encoder profile %s", line)
 
 
 async def expiry_loop(service) -> None:

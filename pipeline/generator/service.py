@@ -38,10 +38,12 @@ from pipeline.generator.parking import ParkedEmbeddings
 from pipeline.generator.refetch import Refetches, expire_refetches, lost_handles, refetch_evicted
 from pipeline.generator.requests import RequestTable
 from pipeline.generator.stats import generator_stats
+from pipeline.logs import STATS_LOGGER
 from pipeline.processing.processor import MultimodalPrompt
 from pipeline.watchdog import HangWatchdog
 
 log = logging.getLogger("epd.generator")
+stats_log = logging.getLogger(STATS_LOGGER)   # --disable-log-stats quiets it
 
 
 PROFILE_LOG_S = 10.0     # how often the step profile is logged while there is work
@@ -282,7 +284,7 @@ class GeneratorService:
         self._profile_at = time.monotonic()
         window = self.engine.profile.window()
         if any(isinstance(v, dict) and k != "idle" for k, v in window.items()):
-            log.info("step profile %s", json.dumps(window, separators=(",", ":")))
+            stats_log.info("step profile %s", json.dumps(window, separators=(",", ":")))
 
     def _refresh_stats(self) -> None:
         now = time.monotonic()

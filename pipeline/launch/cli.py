@@ -96,6 +96,12 @@ def build_parser() -> OneLineParser:
     add_vllm_flags(p)
     p.add_argument("--log-level", choices=LEVELS, help="every stage's (default: info)")
     p.add_argument("--log-format", choices=FORMATS, help="every stage's: text (default) or json lines")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="as vllm serve: no periodic profile lines from the encoders and generators")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="as vllm serve: no line per finished request (failures are still logged)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="as vllm serve: accepted; the line per finished request is on by default here")
     p.add_argument("--write-systemd", type=Path, metavar="DIR",
                    help="write the box's systemd units and config file (these flags) into DIR, then exit")
     p.add_argument("--log-dir", type=Path, metavar="DIR",
@@ -246,6 +252,9 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
     for name in ("log_level", "log_format"):
         if getattr(args, name) is not None:
             out += [(role, f"--{name.replace('_', '-')}={getattr(args, name)}") for role in ROLES]
+    for name in ("disable_log_stats", "disable_log_requests"):
+        if getattr(args, name):
+            out += [(role, f"--{name.replace('_', '-')}") for role in ROLES]
     if args.encode_fallback != "off":
         out += [(role, f"--encode-fallback={args.encode_fallback}") for role in ("generator", "proxy")]
     if args.max_model_len is not None:   # the proxy refuses longer requests; a generator checks its KV cache

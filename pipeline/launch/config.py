@@ -68,6 +68,9 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     max_model_len: int | None = None
     enforce_eager: bool | None = None
     enable_prefix_caching: bool | None = None
+    disable_log_stats: bool | None = None
+    disable_log_requests: bool | None = None
+    enable_log_requests: bool | None = None
     scheduling_policy: SchedulingPolicy | None = None
     limit_mm_per_prompt: dict[str, int] | None = None
     mm_processor_kwargs: dict[str, int] | None = None

@@ -8,8 +8,9 @@ from __future__ import annotations
 import logging
 
 from pipeline import protocol
+from pipeline.logs import REQUESTS_LOGGER
 
-log = logging.getLogger("epd.requests")
+log = logging.getLogger(REQUESTS_LOGGER)
 
 
 def _fields(flight, status: str, now: float) -> dict:
@@ -42,4 +43,5 @@ def log_finished(flight, delta: protocol.TokenDelta, now: float) -> None:
     message = f"request {fields['request_id']} finished: {text}"
     if delta.error:
         message += f": {delta.error}"
-    log.info(message, extra={"fields": fields})
+    # A failure is a warning: it stays in the log under --disable-log-requests.
+    (log.warning if delta.error else log.info)(message, extra={"fields": fields})
