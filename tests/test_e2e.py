@@ -64,6 +64,12 @@ def test_completions_models_and_health(epd):
     r = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0)
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
     assert httpx.get(epd.base_url + "/health").status_code == 200
+    # SageMaker's /invocations serves either API by its body (vllm serve has it too).
+    body = {"model": "tiny", "max_tokens": 5, "temperature": 0}
+    text = httpx.post(epd.base_url + "/invocations", json={**body, "prompt": "Once upon a time"}, timeout=60).json()
+    assert text["object"] == "text_completion" and text["choices"][0]["text"] == r.choices[0].text
+    chat = httpx.post(epd.base_url + "/invocations", json={**body, "messages": chat_messages([], "hi")}, timeout=60)
+    assert chat.json()["object"] == "chat.completion"
 
 
 def test_model_stages_split_the_cores_among_them(epd):

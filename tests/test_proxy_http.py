@@ -111,7 +111,9 @@ def test_api_key(tiny_dir, tmp_path):
         assert wrong.status == 401 and (await wrong.json())["error"]["type"] == "AuthenticationError"
         assert (await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})).status == 200
         assert (await client.post("/tokenize", json={"prompt": "x"})).status == 401
+        assert (await client.post("/invocations", json={"prompt": "x"})).status == 401
         assert (await client.get("/version")).status == 200   # only the API routes by default
+        assert (await client.get("/ping")).status == (await client.get("/health")).status != 401
 
     serve(tiny_dir, tmp_path, "--api-key", "s3cret", scenario=scenario)
 
@@ -364,3 +366,21 @@ def test_chat_template_gives_a_checkpoint_without_tools_a_template_that_takes_th
     template.write_text(QWEN3_VL_TOOLS)
     serve(tiny_dir, tmp_path, "--chat-template", str(template), scenario=rendered)
     serve(tiny_dir, tmp_path, "--chat-template", QWEN3_VL_TOOLS, scenario=rendered)
+
+
+def test_sagemakers_ping_and_invocations_routes(tiny_dir, tmp_path):
+    """As vllm serve has them: /ping answers as /health does (GET and POST);
+    /invocations is chat for a body with messages, a text completion for one
+    with a prompt, and a 400 for neither."""
+    async def scenario(client, app):
+        health = await client.get("/health")
+        for ping in (await client.get("/ping"), await client.post("/ping")):
+            assert ping.status == health.status and await ping.json() == await health.json()
+        chat = await client.post("/invocations", json={"model": "tiny", "messages": []})
+        assert chat.status == 400 and (await chat.json())["error"]["message"] == "messages must be a non-empty list"
+        completion = await client.post("/invocations", json={"model": "tiny", "prompt": "x", "suffix": "y"})
+        assert completion.status == 400 and (await completion.json())["error"]["param"] == "suffix"
+        neither = await client.post("/invocations", json={"model": "tiny"})
+        assert neither.status == 400 and "messages" in (await neither.json())["error"]["message"]
+
+    serve(tiny_dir, tmp_path, scenario=scenario)

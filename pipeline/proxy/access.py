@@ -29,8 +29,8 @@ ARRIVED_KEY = _key("arrived", float)   # time.monotonic() as the request came in
 @dataclass(frozen=True)
 class AccessPolicy:
     """api_key: None for an open server. The key guards the API routes (/v1/*,
-    /tokenize, /detokenize); with protect_all, /health, /metrics and
-    /version too."""
+    /tokenize, /detokenize, /invocations); with protect_all, /health, /ping,
+    /metrics and /version too."""
 
     api_key: str | None = None
     protect_all: bool = False
@@ -42,7 +42,7 @@ class AccessPolicy:
     def guards(self, path: str) -> bool:
         if self.api_key is None:
             return False
-        return self.protect_all or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        return self.protect_all or path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/invocations")
 
 
 def request_id_of(request: web.Request) -> str:

@@ -14,7 +14,7 @@ from aiohttp import web
 from pipeline import protocol
 from pipeline.proxy.access import (ARRIVED_KEY, MODEL_NAME_KEY, PARSE_TOOLS_KEY, REQUEST_ID_KEY, AccessPolicy,
                                    add_cors, echo_request_id, error_middleware, response_id)
-from pipeline.proxy.api_types import ApiError, completion_prompts, parse_body
+from pipeline.proxy.api_types import ApiError, completion_prompts, decode_json, parse_body
 from pipeline.proxy.dispatcher import Dispatcher
 from pipeline.proxy.echo import Echo, echoed_completion_logprobs
 from pipeline.proxy.fanout import ManyChoices, copies
@@ -61,6 +61,9 @@ class ProxyApp(ManyChoices):
         app = web.Application(client_max_size=MAX_BODY, middlewares=[error_middleware(self.access), self._errors])
         app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
+                        # SageMaker's routes, as vllm serve has them: a health check, and either API by its body.
+                        web.get("/ping", self.health), web.post("/ping", self.health),
+                        web.post("/invocations", self.invocations),
                         web.get("/metrics", self.metrics_page), web.get("/version", version_page),
                         web.post("/tokenize", tokenize_handler(self.model)),
                         web.post("/detokenize", detokenize_handler(self.model))])
@@ -146,6 +149,16 @@ class ProxyApp(ManyChoices):
         if len(works) > 1 or req.n > 1:   # choices prompt by prompt, n each, as vLLM numbers them
             return await self._serve_many(request, req, [c for w in works for c in copies(w, req.n)], chat=False)
         return await self._serve(request, req, works[0], chat=False)
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """Chat if the body has `messages`, a text completion if it has `prompt`."""
+        kind = decode_json(await request.read(), _InvocationKind)   # aiohttp keeps the body for the handler
+        if bytes(kind.messages) not in (b"", b"null"):
+            return await self.chat(request)
+        if bytes(kind.prompt) not in (b"", b"null"):
+            return await self.completions(request)
+        raise ApiError("/invocations takes a chat (messages) or a text completion (prompt) body",
+                       param="messages")
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -321,6 +334,12 @@ class ProxyApp(ManyChoices):
         now = time.monotonic()
         self.metrics.finished(flight, delta, now)
         log_finished(flight, delta, now)
+
+
+class _InvocationKind(msgspec.Struct):
+    """Which fields a body has, read as they are (empty: absent)."""
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
 
 
 @dataclass
