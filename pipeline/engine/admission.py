@@ -1,12 +1,14 @@
 """Whether a request can be scheduled at all: new, and small enough that
 the KV cache, the encoder cache and (aggregated) the local encode budget
-could ever hold it. A request that fails here would wait forever."""
+could ever hold it (a request that fails here would wait forever); and
+whether the token ids it names are this model's."""
 
 from __future__ import annotations
 
 from pipeline.engine.kv_blocks import blocks_needed
 from pipeline.engine.plan import SchedulerConfig
 from pipeline.engine.request import Request, RequestStatus
+from pipeline.sampling_params import SamplingParams
 
 
 def check_admissible(config: SchedulerConfig, request: Request) -> None:
@@ -26,3 +28,17 @@ def check_admissible(config: SchedulerConfig, request: Request) -> None:
         if config.aggregated and span.item_tokens > config.local_encode_tokens:
             raise ValueError(f"request {rid}: an image of {span.item_tokens} tokens exceeds "
                              f"local_encode_tokens={config.local_encode_tokens}")
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int, eos_token_ids) -> None:
+    """ValueError (a 400) for a token id a request names outside the model's
+    vocabulary, or allowed tokens that leave none to write."""
+    named = (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", params.allowed_token_ids),
+             ("bad_words", [t for word in params.bad_words_token_ids for t in word]))
+    for name, tokens in named:
+        if any(token >= vocab_size for token in tokens):
+            raise ValueError(f"{name} names a token id outside this model's vocabulary of {vocab_size}")
+    ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= ends:
+        # min_tokens bans them all until then: no token would be left to write.
+        raise ValueError("every token in allowed_token_ids ends the request, and min_tokens forbids that")

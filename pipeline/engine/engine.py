@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
+from pipeline.engine.admission import check_token_ids
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.decode_graphs import DecodeGraphs
 from pipeline.engine.kv_blocks import num_blocks_for_memory
@@ -24,7 +24,6 @@ from pipeline.engine.output import RequestOutput, Resumed, TextState
 from pipeline.engine.pacing import PrefillPacer, prefill_allowed
 from pipeline.engine.paged_attention import PagedKVCache
 from pipeline.engine.plan import FinishedRequest, SchedulerConfig
-from pipeline.engine.prompt_logprobs import PromptLogprob
 from pipeline.engine.request import ImageSpan, Request, RequestStatus
 from pipeline.sampling_params import SamplingParams
 from pipeline.models.spec import span_rows
@@ -32,7 +31,7 @@ from pipeline.engine.runner import ModelRunner, PromptGeometry
 from pipeline.engine.ahead import DecodeAhead
 from pipeline.engine.choose import choose
 from pipeline.engine.grammar import Grammars
-from pipeline.engine.request_phases import RequestPhases
+from pipeline.engine.live import LiveRequest
 from pipeline.engine.penalties import PenaltyPool, uses_penalties
 from pipeline.engine.sampler import SamplingRow, bad_word_bans, make_generator
 from pipeline.engine.scheduler import Scheduler
@@ -42,23 +41,6 @@ from pipeline.processing.processor import MultimodalPrompt
 from pipeline.processing.tokenizer import Tokenizer
 
 log = logging.getLogger("epd.engine")
-
-
-@dataclass
-class _Live:
-    """Engine-side state of one request."""
-
-    geometry: PromptGeometry
-    text: TextState
-    generator: torch.Generator | None
-    image_inputs: dict[str, tuple[torch.Tensor, tuple[int, int, int]]]
-    pool_row: int | None = None   # in the engine's PenaltyPool, from the request's first sampled token on
-    matcher: Any = None           # its grammar's matcher (structured output), if any
-    earlier_output: tuple[int, ...] = ()   # tokens produced before a move here (Resumed), counted as output
-    stop_token_ids: frozenset[int] = frozenset()   # asked for; they, not EOS, name a stop_reason
-    phases: RequestPhases = field(default_factory=RequestPhases)
-    # Asked for and not yet sent (with the first token): by position of the scored token.
-    prompt_logprobs: dict[int, PromptLogprob] | None = None
 
 
 class Engine:
@@ -95,7 +77,7 @@ class Engine:
             raise ValueError(f"EngineConfig.decode_matmul={config.decode_matmul!r} needs fast decode, "
                              f"which is off here (fast_decode={config.fast_decode}, device {device})")
         self.runner = ModelRunner(model, kv, device, decode, self._mixed(model, kv, num_blocks, decode, device))
-        self.live: dict[str, _Live] = {}
+        self.live: dict[str, LiveRequest] = {}
         self.penalties = PenaltyPool(lang.vocab_size, config.max_num_seqs, device)
         self._grammars: Grammars | None = None   # made on the first request with a grammar (about 1 s)
         self.pending_embeddings: dict[str, tuple[torch.Tensor, float]] = {}
@@ -148,7 +130,7 @@ class Engine:
         moved here after those tokens (its prompt ends with them). `cache_salt`, `priority`: see Request."""
         if len(image_keys) != len(prompt.image_spans):
             raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
-        self._check_tokens(params)
+        check_token_ids(params, self.model.spec.language.vocab_size, self.tokenizer.eos_token_ids)
         if resumed and params.prompt_logprobs is not None:
             # Its prompt's logprobs went out with its first token, before the move.
             params = replace(params, prompt_logprobs=None)
@@ -175,25 +157,11 @@ class Engine:
             raise ValueError(f"the grammar refuses the tokens produced before the move: {matcher.get_error()}")
         text = TextState.of(self.tokenizer, params, resumed)
         self.scheduler.add_request(request)
-        self.live[request_id] = _Live(PromptGeometry(positions, delta), text, make_generator(params, len(earlier)),
-                                      inputs, matcher=matcher, earlier_output=earlier,
-                                      stop_token_ids=frozenset(params.stop_token_ids) - eos_named,
-                                      prompt_logprobs=None if params.prompt_logprobs is None else {})
-
-    def _check_tokens(self, params: SamplingParams) -> None:
-        """The token ids a request names, against this model: ValueError (a 400)
-        for one outside its vocabulary, or allowed tokens that leave none to write."""
-        vocab = self.model.spec.language.vocab_size
-        if any(token >= vocab for token, _ in params.logit_bias):
-            raise ValueError(f"logit_bias names a token id outside this model's vocabulary of {vocab}")
-        if any(token >= vocab for token in params.allowed_token_ids):
-            raise ValueError(f"allowed_token_ids names a token id outside this model's vocabulary of {vocab}")
-        if any(token >= vocab for word in params.bad_words_token_ids for token in word):
-            raise ValueError(f"bad_words has a token id outside this model's vocabulary of {vocab}")
-        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
-        if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= ends:
-            # min_tokens bans them all until then: no token would be left to write.
-            raise ValueError("every token in allowed_token_ids ends the request, and min_tokens forbids that")
+        self.live[request_id] = LiveRequest(PromptGeometry(positions, delta), text,
+                                            make_generator(params, len(earlier)), inputs, matcher=matcher,
+                                            earlier_output=earlier,
+                                            stop_token_ids=frozenset(params.stop_token_ids) - eos_named,
+                                            prompt_logprobs=None if params.prompt_logprobs is None else {})
 
     def add_embedding(self, key: str, embedding: torch.Tensor) -> None:
         """An image embedding arrived; kept pending until a request needs it

@@ -13,8 +13,8 @@ import msgspec
 
 from pipeline import protocol
 from pipeline.hashing import content_hash
-from pipeline.processing.image import ImageDecodeError, check_source_size, read_image_size
 from pipeline.processing.chat_template import ChatTemplate
+from pipeline.processing.image import ImageDecodeError, check_source_size, read_image_size
 from pipeline.processing.processor import MultimodalPrompt, Processor
 from pipeline.processing.video import VideoOptions
 from pipeline.proxy.api_types import (
