@@ -130,6 +130,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="set a one-byte file at PATH while a step with prefill tokens runs, for the encoders "
                         "beside this generator on its GPU (their --yield-to-prefill; epd-launch "
                         "--encoder-yield-ms sets both)")
+    p.add_argument("--seed", type=int, metavar="N",
+                   help="the random draws of requests without a seed of their own start from N at start-up, as "
+                        "vLLM's flag: the same requests in the same order sample the same tokens after a restart")
     p.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
                    help="fcfs, or priority: requests by their priority (lower first), then arrival, and the "
                         "least urgent preempted first, as vLLM's flag (default: fcfs)")
@@ -182,6 +185,8 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
                           cuda_graphs=not args.enforce_eager, prefix_caching=args.enable_prefix_caching,
                           scheduling_policy=args.scheduling_policy)
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)   # after the weights: a random checkpoint's draws do not shift it
     if args.prefill_signal:
         engine.on_prefill = PrefillSignal(args.prefill_signal, writer=True).set
     blocks = engine.scheduler.config.num_blocks

@@ -165,6 +165,8 @@ def _add_engine_and_api_flags(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs in the generators: nothing captured at start-up, slower steps "
                         "(encoders replay vision graphs only when given --vision-graphs)")
+    engine.add_argument("--seed", type=int, metavar="N",
+                        help="the generators' random draws for requests without a seed start from N (default: none)")
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
                         help="fcfs, or priority: requests by their priority field, lower first (default: fcfs)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -240,7 +242,7 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
     """The engine and API flags as the generators' and the proxy's own."""
     out = []
     for name in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "prefill_pacing_ms",
-                 "prefill_pacing_max_hold_ms"):
+                 "prefill_pacing_max_hold_ms", "seed"):
         if getattr(args, name) is not None:
             out.append(("generator", f"--{name.replace('_', '-')}={getattr(args, name)}"))
     if args.enforce_eager:
