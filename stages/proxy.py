@@ -31,6 +31,7 @@ from pipeline.processing.processor import Processor
 from pipeline.proxy.access import AccessPolicy
 from pipeline.proxy.dispatcher import ENCODE_FALLBACKS, Dispatcher
 from pipeline.proxy.media_fetch import FetchPolicy
+from pipeline.proxy.reasoning import PARSERS, reasoning_parser
 from pipeline.proxy.requests import ModelInfo
 from pipeline.proxy.sampling_defaults import sampling_defaults
 from pipeline.proxy.server import ProxyApp
@@ -90,6 +91,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the generators' (epd-launch passes both): with priority, requests may set a priority")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="a request may bring its own chat_template (vLLM's flag; without it such a request is a 400)")
+    p.add_argument("--reasoning-parser", choices=PARSERS, metavar="|".join(PARSERS),
+                   help="a thinking model's chat answers carry its reasoning (written up to </think>) apart from "
+                   "the content, in `reasoning`; a grammar holds only the content (vLLM's flag)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage carries prompt_tokens_details.cached_tokens: the prompt's tokens whose KV the "
                    "prefix cache held")
@@ -166,7 +170,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       served_names=tuple(args.served_model_name or ()),
                       defaults=sampling_defaults(args.generation_config, model_dir),
                       trust_request_chat_template=args.trust_request_chat_template,
-                      scheduling_policy=args.scheduling_policy)
+                      scheduling_policy=args.scheduling_policy,
+                      reasoning=reasoning_parser(args.reasoning_parser, processor.tokenizer))
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout,

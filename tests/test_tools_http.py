@@ -6,20 +6,12 @@ keep working beside them."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-
 import pytest
-import zmq.asyncio
-from aiohttp.test_utils import TestClient, TestServer
 
-from pipeline import protocol, transport
 from pipeline.processing.processor import Processor
-from pipeline.proxy.dispatcher import Dispatcher
-from pipeline.proxy.media_fetch import FetchPolicy
 from pipeline.proxy.requests import ModelInfo
-from pipeline.proxy.server import ProxyApp
 from pipeline.proxy.tool_parser import END, START
+from scripted_generator import events, serve_scripted
 from tool_templates import QWEN3_VL_TOOLS, with_template
 
 CHAT = "/v1/chat/completions"
@@ -35,42 +27,6 @@ OUTPUTS = {
 }
 
 
-class ScriptedGenerator:
-    """Answers stats requests, and each generate request with the output its
-    prompt names, one delta per `piece` characters."""
-
-    def __init__(self, ctx, address: str, tokenizer, piece: int) -> None:
-        self.address, self.tokenizer, self.piece = address, tokenizer, piece
-        self.inbox, self.outbox = transport.Inbox(ctx, address), transport.Outbox(ctx)
-        self.requests: list[protocol.GenerateRequest] = []
-
-    def start(self) -> None:
-        self.inbox.listen(self.on_message)
-
-    def on_message(self, message) -> None:
-        if isinstance(message, protocol.StatsRequest):
-            self.outbox.try_send(message.reply_to, protocol.StageStats("generator", "g", {}, {}, self.address, "one"))
-        elif isinstance(message, protocol.GenerateRequest):
-            self.requests.append(message)
-            asyncio.get_running_loop().create_task(self.answer(message))
-
-    async def answer(self, request: protocol.GenerateRequest) -> None:
-        prompt = self.tokenizer.decode(request.prompt_token_ids)
-        text = next(out for key, out in OUTPUTS.items() if f"[{key}]" in prompt)
-        pieces = [text[i:i + self.piece] for i in range(0, len(text), self.piece)]
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            logprobs = ((-0.5, (7,), (-0.5,)),) if request.sampling.logprobs is not None else ()
-            self.outbox.try_send(request.reply_to, protocol.TokenDelta(
-                request.request_id, (7,), piece, last, "stop" if last else "", len(request.prompt_token_ids),
-                i + 1, logprobs=logprobs))
-            await asyncio.sleep(0)
-
-    def close(self) -> None:
-        self.inbox.close()
-        self.outbox.close()
-
-
 @pytest.fixture(scope="module")
 def model(tiny_dir, tmp_path_factory):
     path = with_template(tiny_dir, tmp_path_factory.mktemp("tools-http") / "ckpt", QWEN3_VL_TOOLS)
@@ -78,32 +34,11 @@ def model(tiny_dir, tmp_path_factory):
 
 
 def serve(model, scenario, piece=1):
-    async def run():
-        ctx = zmq.asyncio.Context()
-        generator = ScriptedGenerator(ctx, "inproc://tools-gen", model.processor.tokenizer, piece)
-        generator.start()
-        dispatcher = Dispatcher(ctx, "inproc://tools-proxy", [], [generator.address], aggregated=True,
-                                ping_interval=0.05)
-        try:
-            async with TestClient(TestServer(ProxyApp(dispatcher, model, FetchPolicy()).build())) as client:
-                while (await client.get("/health")).status != 200:
-                    await asyncio.sleep(0.02)
-                await scenario(client, generator)
-        finally:
-            generator.close()
-            ctx.term()
-
-    asyncio.run(run())
+    serve_scripted(model, scenario, OUTPUTS, piece)
 
 
 def body(word: str, **extra) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": f"[{word}]"}], "tools": TOOLS, **extra}
-
-
-async def events(response) -> list[dict]:
-    text = await response.text()
-    assert text.endswith("data: [DONE]\n\n")
-    return [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
 
 
 def add_up(chunks: list[dict], index: int = 0) -> tuple[str | None, list[dict], str]:

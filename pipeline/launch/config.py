@@ -24,6 +24,7 @@ Mps = Literal["auto", "on", "off"]
 EncoderPriority = Literal["normal", "below-normal"]
 EncodeFallback = Literal["off", "local"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+ReasoningParser = Literal["deepseek_r1", "qwen3"]   # pipeline/proxy/reasoning.py's PARSERS
 ENCODE_FALLBACKS = typing.get_args(EncodeFallback)
 
 
@@ -90,6 +91,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     tensor_parallel_size: int | None = None
     enable_auto_tool_choice: bool | None = None
     tool_call_parser: str | None = None
+    reasoning_parser: ReasoningParser | None = None
     log_dir: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] | None = None
     log_format: Literal["text", "json"] | None = None

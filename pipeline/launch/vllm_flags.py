@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipeline.proxy.reasoning import PARSERS
 from pipeline.proxy.tls import add_tls_flags, check_tls_flags
 
 # The tool-call format the proxy parses (pipeline/proxy/tool_parser.py): Hermes's
@@ -37,6 +38,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                        help="accepted: tool calls are always parsed (tool_choice auto is the default with tools)")
     group.add_argument("--tool-call-parser", metavar="NAME",
                        help=f"{', '.join(TOOL_CALL_PARSERS)} only: the format the proxy parses")
+    group.add_argument("--reasoning-parser", choices=PARSERS, metavar="|".join(PARSERS),
+                       help="chat answers carry the reasoning of a thinking model apart from the content "
+                       "(in `reasoning`); structured output holds only the content")
     add_tls_flags(group)   # HTTPS, passed to the proxy (pipeline/proxy/tls.py)
 
 
@@ -65,6 +69,8 @@ def proxy_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
         out.append(("proxy", "--enable-prompt-tokens-details"))
     if args.trust_request_chat_template:
         out.append(("proxy", "--trust-request-chat-template"))
+    if args.reasoning_parser is not None:
+        out.append(("proxy", f"--reasoning-parser={args.reasoning_parser}"))
     for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):   # absolute: the proxy runs in its own folder
         if getattr(args, name):
             out.append(("proxy", f"--{name.replace('_', '-')}={Path(getattr(args, name)).resolve()}"))

@@ -177,6 +177,7 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, str]] | None = None   # vLLM's: for templates that take retrieved texts
     echo: bool = False
     chat_template: str | None = None   # only with --trust-request-chat-template (ModelInfo.template_for)
+    include_reasoning: bool = True   # vLLM's: false leaves the reasoning out (with --reasoning-parser)
 
 
 class CompletionRequest(SamplingFields):

@@ -123,7 +123,7 @@ class ManyChoices:
 
     async def _send_merged(self, stream, req, flights: list[Flight], merged: asyncio.Queue, chat: bool) -> None:
         offsets = [0] * len(flights)
-        deltas = [ChatDeltas(stream.tools) for _ in flights]
+        deltas = [ChatDeltas(stream.tools, flight.work.reasoning) for flight in flights]
         echoes = [await self._open_echo(stream, f, i) for i, f in enumerate(flights)]   # sent with the first pieces
         done, usage = 0, Usage(self.prompt_tokens_details)
         while done < len(flights):
@@ -143,7 +143,7 @@ class ManyChoices:
                     chat, flights[index], delta, offsets[index], echoes[index])
             if continuous_usage(req):
                 chunk["usage"] = usage_of(delta)
-            if (payload if stream.tools else text) or delta.finished or delta.logprobs:
+            if (payload if deltas[index].parses else text) or delta.finished or delta.logprobs:
                 await stream.send(chunk)
                 echoes[index] = None
             if delta.finished:

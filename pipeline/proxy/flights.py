@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pipeline import protocol
 from pipeline.proxy.echo import Echo
+from pipeline.proxy.reasoning import ReasoningSplit
 
 ATTEMPT_MARK = "~"   # the request ids the proxy makes never contain it
 
@@ -36,6 +37,7 @@ class Work:
     tokens_as_ids: bool = False      # vLLM's return_tokens_as_token_ids: logprobs name tokens by id
     prompt_logprobs: bool = False    # the response carries vLLM's prompt_logprobs
     echo: Echo | None = None         # what the answer repeats first (proxy/echo.py)
+    reasoning: ReasoningSplit | None = None   # how a chat answer splits into reasoning and content
 
 
 @dataclass

@@ -28,6 +28,7 @@ from pipeline.proxy.api_types import (
 from pipeline.proxy.echo import Echo, chat_echo, completion_echo
 from pipeline.proxy.flights import Work
 from pipeline.proxy.media_fetch import FetchPolicy, fetch_image
+from pipeline.proxy.reasoning import ReasoningParser, ReasoningSplit
 from pipeline.proxy.sampling_fields import bad_words_token_ids, processor_fields, stop_strings
 from pipeline.proxy.structured import grammar_of
 from pipeline.proxy.tools import ToolRequest, forced_grammar, tag_tokens_of, template_tool_calls, tool_request
@@ -48,6 +49,7 @@ class ModelInfo:
     defaults: dict = field(default_factory=dict)   # generation_config.json's, for unset request fields
     trust_request_chat_template: bool = False   # vLLM's flag: a request may bring its own chat template
     scheduling_policy: str = "fcfs"   # the generators' (vLLM's --scheduling-policy): priority takes priorities
+    reasoning: ReasoningParser | None = None   # --reasoning-parser: chat answers split into reasoning and content
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -127,7 +129,9 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     keys = [video_key(data, model.model_id, cfg, options) if kind == "video" else content_hash(data, model.salt)
             for kind, data in zip(kinds, fetched)]
     items = [_Item(kind, data, key) for kind, data, key in zip(kinds, fetched, keys)]
-    return _work(req, model, request_id, reply_to, prompt, items, options, grammar, chat_echo(req))
+    reasoning = (model.reasoning.for_request(prompt.token_ids, req.chat_template_kwargs, req.include_reasoning)
+                 if model.reasoning is not None else None)
+    return _work(req, model, request_id, reply_to, prompt, items, options, grammar, chat_echo(req), reasoning)
 
 
 async def completion_work(req: CompletionRequest, model: ModelInfo, request_id: str, reply_to: str,
@@ -234,7 +238,8 @@ class _Item:
 
 
 def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: MultimodalPrompt, items: list[_Item],
-          options: VideoOptions | None, tool_grammar: str = "", echo: Echo | None = None) -> Work:
+          options: VideoOptions | None, tool_grammar: str = "", echo: Echo | None = None,
+          reasoning: ReasoningSplit | None = None) -> Work:
     prompt = _truncated(prompt, req.truncate_prompt_tokens, model.max_context)
     ids = prompt.token_ids
     room = model.max_context - len(ids)
@@ -263,7 +268,7 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
             top_k=max(_given(req.top_k, defaults, "top_k", 0), 0),   # -1 and 0 both mean off
             top_p=_given(req.top_p, defaults, "top_p", 1.0), seed=req.seed,
             stop=stop_strings(req.stop), stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos, grammar=grammar_of(req, tool_grammar),
+            ignore_eos=req.ignore_eos, grammar=_held_to(grammar_of(req, tool_grammar), reasoning),
             **fields)
         _check_sampling(sampling)
     except ValueError as exc:
@@ -285,7 +290,13 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
                                frames if item.kind == "video" else None)
             for i, (item, tokens) in enumerate(zip(items, item_tokens))]
     return Work(request, jobs, len(ids) + max_tokens, tokens_as_ids=bool(req.return_tokens_as_token_ids),
-                prompt_logprobs=req.prompt_logprobs is not None, echo=echo)
+                prompt_logprobs=req.prompt_logprobs is not None, echo=echo, reasoning=reasoning)
+
+
+def _held_to(grammar: str, reasoning: ReasoningSplit | None) -> str:
+    """The grammar the answer is held to: with a reasoning parser, only the
+    content after the reasoning (as vLLM)."""
+    return reasoning.grammar(grammar) if reasoning is not None else grammar
 
 
 def _priority(req, model: ModelInfo) -> int:

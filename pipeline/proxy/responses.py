@@ -1,5 +1,6 @@
 """The bodies of whole answers and of failed requests, and the deltas of a
-streamed chat choice (with its tool calls parsed out where asked)."""
+streamed chat choice (with its reasoning and its tool calls parsed out where
+asked: the tool calls from the content after the reasoning)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from aiohttp import web
 
 from pipeline import protocol
 from pipeline.proxy.api_types import ApiError
+from pipeline.proxy.reasoning import ReasoningSplit, ReasoningStream
 from pipeline.proxy.tool_parser import ToolCallStream, parse_tool_calls
+
+# vLLM's name for a message's reasoning, and the one it had before (older clients read it).
+REASONING_FIELDS = ("reasoning", "reasoning_content")
 
 
 def error_response(delta: protocol.TokenDelta) -> web.Response:
@@ -55,18 +60,23 @@ def continuous_usage(req) -> bool:
     return options is not None and options.include_usage and options.continuous_usage_stats
 
 
-def response_body(rid, model_id, text, last, chat, tools: bool = False, details: bool = False) -> dict:
+def response_body(rid, model_id, text, last, chat, tools: bool = False, details: bool = False,
+                  reasoning: ReasoningSplit | None = None) -> dict:
     """tools: the request's tool calls are parsed out of the text; details:
-    usage names the prompt's cached tokens."""
+    usage names the prompt's cached tokens; reasoning: how a chat answer
+    splits into reasoning and content (--reasoning-parser)."""
     choice = {"index": 0, "finish_reason": last.finish_reason, "stop_reason": last.stop_reason, "logprobs": None}
-    if chat and tools:
-        content, calls = parse_tool_calls(text)
+    if chat:
+        thought, content = reasoning.split(text) if reasoning is not None else (None, text)
+        calls = []
+        if tools and content is not None:
+            content, calls = parse_tool_calls(content)
         choice["message"] = {"role": "assistant", "content": content}
+        if reasoning is not None and reasoning.include:
+            choice["message"].update(dict.fromkeys(REASONING_FIELDS, thought))
         if calls:
             choice["message"]["tool_calls"] = [call.openai() for call in calls]
             choice["finish_reason"] = tool_finish(last.finish_reason)
-    elif chat:
-        choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -90,15 +100,27 @@ def tool_finish(reason: str) -> str:
 class ChatDeltas:
     """One streamed chat choice: each piece of its text as the delta to send."""
 
-    def __init__(self, tools: bool) -> None:
+    def __init__(self, tools: bool, reasoning: ReasoningSplit | None = None) -> None:
         self._parser = ToolCallStream() if tools else None
+        self._reasoning = ReasoningStream(reasoning) if reasoning is not None else None
+        self._include = reasoning is not None and reasoning.include
+
+    @property
+    def parses(self) -> bool:
+        """Whether a piece may come out as less than its text (held back, or split)."""
+        return self._parser is not None or self._reasoning is not None
 
     def delta(self, text: str, last: bool) -> dict:
-        """The delta for this piece; empty where the tool-call parser holds it back."""
-        if self._parser is None:
+        """The delta for this piece; empty where the parsers hold it back."""
+        if not self.parses:
             return {"content": text}
-        content, calls = self._parser.feed(text, last)
-        out = {"content": content} if content else {}
+        thought, content = self._reasoning.feed(text, last) if self._reasoning is not None else ("", text)
+        out = dict.fromkeys(REASONING_FIELDS, thought) if thought and self._include else {}
+        calls = None
+        if self._parser is not None:
+            content, calls = self._parser.feed(content, last)
+        if content:
+            out["content"] = content
         if calls:
             out["tool_calls"] = calls
         return out

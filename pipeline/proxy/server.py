@@ -240,8 +240,8 @@ class ProxyApp(ManyChoices):
             text += last.text
             entries += entries_of(last)
             prompt_entries = prompt_entries or last.prompt_logprobs
-        choice = response_body("", request[MODEL_NAME_KEY], text, last, chat,
-                               request.get(PARSE_TOOLS_KEY, False))["choices"][0]
+        choice = response_body("", request[MODEL_NAME_KEY], text, last, chat, request.get(PARSE_TOOLS_KEY, False),
+                               reasoning=flight.work.reasoning)["choices"][0]
         if flight.work.request.sampling.logprobs is not None:
             name = self.token_names(flight)
             choice["logprobs"] = chat_logprobs(name, entries) if chat else completion_logprobs(name, entries)
@@ -273,7 +273,7 @@ class ProxyApp(ManyChoices):
         return stream
 
     async def _stream(self, stream: _Stream, req, flight, delta):
-        deltas = ChatDeltas(stream.tools)
+        deltas = ChatDeltas(stream.tools, flight.work.reasoning)
         echo = await self._open_echo(stream, flight, 0)   # a text completion's, sent with the first piece
         while True:
             if delta.error:
@@ -281,7 +281,7 @@ class ProxyApp(ManyChoices):
                 break
             text = (echo.text if echo else "") + delta.text
             payload = deltas.delta(delta.text, delta.finished) if stream.chat else text
-            if (payload if stream.tools else text) or delta.finished or delta.logprobs:
+            if (payload if deltas.parses else text) or delta.finished or delta.logprobs:
                 chunk = stream.chunk(payload, deltas.finish_reason(delta.finish_reason) or None, delta.stop_reason)
                 if flight.work.request.sampling.logprobs is not None:
                     chunk["choices"][0]["logprobs"], stream.text_offset = self.piece_logprobs(
