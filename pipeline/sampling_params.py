@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# The most top logprobs a token may ask for (the OpenAI API's own cap).
+# The most top logprobs a token may ask for by default (the OpenAI API's own
+# cap, and vLLM's --max-logprobs default); a server's --max-logprobs may raise it.
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64 - 1   # what a seed's generator and the wire's msgpack ints hold
 
@@ -106,6 +107,22 @@ class SamplingParams:
             raise ValueError(f"grammar must be a str, got {type(self.grammar).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 0)
-                if getattr(self, name) > MAX_TOP_LOGPROBS:
-                    raise ValueError(f"at most {MAX_TOP_LOGPROBS} top {name}, got {getattr(self, name)}")
+                check_int(name, getattr(self, name), 0)   # the most: the server's (check_logprobs)
+
+
+def max_logprobs_of(flag: int, vocab_size: int) -> int:
+    """--max-logprobs N as a cap: -1 is the whole vocabulary, as in vLLM."""
+    if flag == -1:
+        return vocab_size
+    if flag < 0:
+        raise ValueError(f"--max-logprobs must be -1 (the whole vocabulary) or at least 0, got {flag}")
+    return flag
+
+
+def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """ValueError (a 400) for more top logprobs than the server gives (--max-logprobs)."""
+    for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        asked = getattr(params, name)
+        if asked is not None and asked > max_logprobs:
+            raise ValueError(f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
+                             f"{max_logprobs} (the server's --max-logprobs)")

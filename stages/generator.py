@@ -53,6 +53,7 @@ from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import video_config_of
 from pipeline.processing.tokenizer import Tokenizer
 from pipeline.processing.video import VideoOptions
+from pipeline.sampling_params import MAX_TOP_LOGPROBS, max_logprobs_of
 from pipeline.watchdog import HangWatchdog, add_hang_timeout_flag
 from pipeline.models.hub_cache import model_dir_arg
 
@@ -136,6 +137,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
                    help="fcfs, or priority: requests by their priority (lower first), then arrival, and the "
                         "least urgent preempted first, as vLLM's flag (default: fcfs)")
+    p.add_argument("--max-logprobs", type=int, default=MAX_TOP_LOGPROBS, metavar="N",
+                   help="the most top logprobs a request may ask for, per token or prompt token (-1: the whole "
+                        f"vocabulary), as vLLM's flag (default: {MAX_TOP_LOGPROBS})")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="keep the KV blocks of computed prompts, by content (tokens and images), for later "
                         "prompts that start the same way, as vLLM's flag (default: on)")
@@ -156,6 +160,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--prefill-pacing-max-hold-ms must be at least 0")
     if args.mode == "aggregated" and args.encode_fallback != "off":
         p.error("--encode-fallback is for --mode epd (an aggregated generator encodes every image itself)")
+    if args.max_logprobs < -1:
+        p.error("--max-logprobs must be -1 (the whole vocabulary) or at least 0")
     return args
 
 
@@ -183,7 +189,8 @@ def build_service(args: argparse.Namespace, send) -> GeneratorService:
                           prefill_pacing_ms=args.prefill_pacing_ms,
                           prefill_pacing_max_hold_ms=args.prefill_pacing_max_hold_ms,
                           cuda_graphs=not args.enforce_eager, prefix_caching=args.enable_prefix_caching,
-                          scheduling_policy=args.scheduling_policy)
+                          scheduling_policy=args.scheduling_policy,
+                          max_logprobs=max_logprobs_of(args.max_logprobs, model.spec.language.vocab_size))
     engine = Engine(model, Tokenizer.from_checkpoint(model_dir), config, device)
     if args.seed is not None:
         torch.manual_seed(args.seed)   # after the weights: a random checkpoint's draws do not shift it

@@ -36,6 +36,7 @@ from pipeline.proxy.requests import ModelInfo
 from pipeline.proxy.sampling_defaults import sampling_defaults
 from pipeline.proxy.server import ProxyApp
 from pipeline.proxy.tls import add_tls_flags, check_tls_flags, server_context
+from pipeline.sampling_params import MAX_TOP_LOGPROBS, max_logprobs_of
 from pipeline.models.hub_cache import model_dir_arg
 
 
@@ -97,6 +98,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage carries prompt_tokens_details.cached_tokens: the prompt's tokens whose KV the "
                    "prefix cache held")
+    p.add_argument("--max-logprobs", type=int, default=MAX_TOP_LOGPROBS, metavar="N",
+                   help="the most top logprobs a request may ask for (-1: the whole vocabulary; give the "
+                   f"generators the same), as vLLM's flag (default: {MAX_TOP_LOGPROBS})")
     p.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight before 503")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds the requests in flight get to finish; new connections are "
@@ -128,6 +132,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--stage-timeout must be more than 0.5 seconds")
     if not args.orphan_timeout >= 0:
         p.error("--orphan-timeout must be >= 0 seconds")
+    if args.max_logprobs < -1:
+        p.error("--max-logprobs must be -1 (the whole vocabulary) or at least 0")
     return args
 
 
@@ -171,7 +177,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       defaults=sampling_defaults(args.generation_config, model_dir),
                       trust_request_chat_template=args.trust_request_chat_template,
                       scheduling_policy=args.scheduling_policy,
-                      reasoning=reasoning_parser(args.reasoning_parser, processor.tokenizer))
+                      reasoning=reasoning_parser(args.reasoning_parser, processor.tokenizer),
+                      max_logprobs=max_logprobs_of(args.max_logprobs, processor.tokenizer.vocab_size))
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout,

@@ -1,14 +1,15 @@
 """Whether a request can be scheduled at all: new, and small enough that
 the KV cache, the encoder cache and (aggregated) the local encode budget
 could ever hold it (a request that fails here would wait forever); and
-whether the token ids it names are this model's."""
+whether the token ids it names are this model's, and its logprobs within
+the server's --max-logprobs."""
 
 from __future__ import annotations
 
 from pipeline.engine.kv_blocks import blocks_needed
 from pipeline.engine.plan import SchedulerConfig
 from pipeline.engine.request import Request, RequestStatus
-from pipeline.sampling_params import SamplingParams
+from pipeline.sampling_params import SamplingParams, check_logprobs
 
 
 def check_admissible(config: SchedulerConfig, request: Request) -> None:
@@ -30,9 +31,11 @@ def check_admissible(config: SchedulerConfig, request: Request) -> None:
                              f"local_encode_tokens={config.local_encode_tokens}")
 
 
-def check_token_ids(params: SamplingParams, vocab_size: int, eos_token_ids) -> None:
+def check_params(params: SamplingParams, vocab_size: int, eos_token_ids, max_logprobs: int) -> None:
     """ValueError (a 400) for a token id a request names outside the model's
-    vocabulary, or allowed tokens that leave none to write."""
+    vocabulary, allowed tokens that leave none to write, or more top
+    logprobs than `max_logprobs`."""
+    check_logprobs(params, max_logprobs)
     named = (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", params.allowed_token_ids),
              ("bad_words", [t for word in params.bad_words_token_ids for t in word]))
     for name, tokens in named:

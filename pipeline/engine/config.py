@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.engine.decode_graphs import MATMULS
+from pipeline.sampling_params import MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class EngineConfig:
     prefix_caching: bool = True
     # vLLM's --scheduling-policy: fcfs, or priority (a request's priority, lower first; queue_order.py).
     scheduling_policy: str = "fcfs"
+    # vLLM's --max-logprobs: the most top logprobs a request may ask for (a token's, or a prompt token's).
+    max_logprobs: int = MAX_TOP_LOGPROBS
 
     def __post_init__(self):
         if self.decode_matmul is not None and self.decode_matmul not in MATMULS:

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from pipeline.engine.admission import check_token_ids
+from pipeline.engine.admission import check_params
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.decode_graphs import DecodeGraphs
 from pipeline.engine.kv_blocks import num_blocks_for_memory
@@ -130,7 +130,8 @@ class Engine:
         moved here after those tokens (its prompt ends with them). `cache_salt`, `priority`: see Request."""
         if len(image_keys) != len(prompt.image_spans):
             raise ValueError(f"{len(image_keys)} image keys for {len(prompt.image_spans)} image spans")
-        check_token_ids(params, self.model.spec.language.vocab_size, self.tokenizer.eos_token_ids)
+        check_params(params, self.model.spec.language.vocab_size, self.tokenizer.eos_token_ids,
+                     self.config.max_logprobs)
         if resumed and params.prompt_logprobs is not None:
             # Its prompt's logprobs went out with its first token, before the move.
             params = replace(params, prompt_logprobs=None)

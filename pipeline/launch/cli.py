@@ -151,6 +151,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--prefill-pacing-max-hold-ms must be >= 0")
     if args.mode == "aggregated" and args.encode_fallback != "off":
         p.error("--encode-fallback is for --mode epd (aggregated generators encode every image themselves)")
+    if args.max_logprobs is not None and args.max_logprobs < -1:
+        p.error("--max-logprobs must be -1 (the whole vocabulary) or at least 0")
     check_vllm_flags(p, args)
     return args
 
@@ -169,6 +171,9 @@ def _add_engine_and_api_flags(p: argparse.ArgumentParser) -> None:
                         help="the generators' random draws for requests without a seed start from N (default: none)")
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
                         help="fcfs, or priority: requests by their priority field, lower first (default: fcfs)")
+    engine.add_argument("--max-logprobs", type=int, metavar="N",
+                        help="the most top logprobs a request may ask for (-1: the whole vocabulary; passed to the "
+                        "generators and the proxy; default: 20)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         help="reuse the KV of prompts' common starts, images included (default: on)")
     engine.add_argument("--max-model-len", type=int, metavar="N",
@@ -261,6 +266,8 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
         out += [(role, f"--encode-fallback={args.encode_fallback}") for role in ("generator", "proxy")]
     if args.max_model_len is not None:   # the proxy refuses longer requests; a generator checks its KV cache
         out += [(role, f"--max-model-len={args.max_model_len}") for role in ("generator", "proxy")]
+    if args.max_logprobs is not None:   # the proxy refuses more at once; a generator checks again
+        out += [(role, f"--max-logprobs={args.max_logprobs}") for role in ("generator", "proxy")]
     if args.limit_mm_per_prompt is not None:
         out.append(("proxy", f"--max-images={sum(args.limit_mm_per_prompt.values())}"))
     if args.mm_processor_kwargs is not None:   # the same everywhere, or a prompt's image tokens disagree

@@ -74,6 +74,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     enable_log_requests: bool | None = None
     scheduling_policy: SchedulingPolicy | None = None
     seed: int | None = None
+    max_logprobs: int | None = None
     limit_mm_per_prompt: dict[str, int] | None = None
     mm_processor_kwargs: dict[str, int] | None = None
     prefill_pacing_ms: float | None = None

@@ -33,7 +33,7 @@ from pipeline.proxy.sampling_fields import bad_words_token_ids, processor_fields
 from pipeline.proxy.structured import grammar_of
 from pipeline.proxy.tools import ToolRequest, forced_grammar, tag_tokens_of, template_tool_calls, tool_request
 from pipeline.proxy.video_items import VideoLimits, checked_plan, video_key, video_options
-from pipeline.sampling_params import SamplingParams
+from pipeline.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class ModelInfo:
     trust_request_chat_template: bool = False   # vLLM's flag: a request may bring its own chat template
     scheduling_policy: str = "fcfs"   # the generators' (vLLM's --scheduling-policy): priority takes priorities
     reasoning: ReasoningParser | None = None   # --reasoning-parser: chat answers split into reasoning and content
+    max_logprobs: int = MAX_TOP_LOGPROBS   # --max-logprobs: the most top logprobs a request may ask for
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -256,7 +257,7 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
         raise ApiError(f"This model's maximum context length is {model.max_context} tokens, and the prompt "
                        f"has {len(ids)}: no room is left for the completion.",
                        param="messages" if hasattr(req, "messages") else "prompt")
-    fields = processor_fields(req, model.processor.tokenizer.vocab_size, defaults)
+    fields = processor_fields(req, model.processor.tokenizer.vocab_size, defaults, model.max_logprobs)
     fields["bad_words_token_ids"] = bad_words_token_ids(req.bad_words, model.processor.tokenizer)
     if echo is not None and echo.token_ids and fields["logprobs"] is not None:
         # The echoed prompt's tokens carry logprobs too: its prompt logprobs, with the same top count.
