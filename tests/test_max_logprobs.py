@@ -2,7 +2,8 @@
 by default (the OpenAI API's cap), -1 for the whole vocabulary. The proxy
 refuses more with a 400 naming the flag, a generator checks again in vLLM's
 words, epd-launch and its config file pass it to both, and a served stack
-given 30 answers with 25."""
+given 30 answers with 25. And vllm serve's --block-size, which epd-launch
+passes to the generators."""
 
 from __future__ import annotations
 
@@ -94,3 +95,16 @@ def test_a_stack_given_30_answers_25_and_refuses_31(served):
     assert all(entry["top_logprobs"][0]["logprob"] == entry["logprob"] for entry in content)   # greedy
     refused = httpx.post(served.base_url + "/v1/chat/completions", json={**body, "top_logprobs": 31}, timeout=60)
     assert refused.status_code == 400 and "--max-logprobs" in refused.json()["error"]["message"]
+
+
+def test_epd_launch_passes_vllms_block_sizes_to_the_generators(tiny_dir, tmp_path):
+    args = cli.parse_args([str(tiny_dir), "--device", "cpu", "--block-size", "32"])
+    assert "--block-size=32" in stage_flags(args, "generator") and not any(
+        "block" in flag for flag in stage_flags(args, "proxy"))
+    path = tmp_path / "epd.yaml"
+    path.write_text("block-size: 8\n")
+    assert "--block-size=8" in stage_flags(cli.parse_args(["--config", str(path), str(tiny_dir), "--device", "cpu"]),
+                                           "generator")
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_args([str(tiny_dir), "--device", "cpu", "--block-size", "24"])
+    assert exit_.value.code == 2

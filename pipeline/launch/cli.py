@@ -32,6 +32,10 @@ from pipeline.models.shape_configs import SHAPES  # torch-free
 from pipeline.models.hub_cache import model_dir_arg
 from pipeline.launch.vllm_flags import add_vllm_flags, check_vllm_flags, proxy_flags
 
+# vllm serve's --block-size choices (the generators take any size; scripts/gpu_block_size_check.py
+# checks the GPU kernels at each of these).
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+
 
 def _add_mps_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mps", choices=MPS_MODES, default="auto",
@@ -164,6 +168,8 @@ def _add_engine_and_api_flags(p: argparse.ArgumentParser) -> None:
                         help="share of each GPU a generator may use (default 0.9 alone, split where stages share)")
     engine.add_argument("--max-num-seqs", type=int, metavar="N", help="requests a generator runs at once")
     engine.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens a step may compute")
+    engine.add_argument("--block-size", type=int, choices=BLOCK_SIZES, metavar="N",
+                        help=f"tokens per KV cache block, one of {', '.join(map(str, BLOCK_SIZES))} (default: 16)")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs in the generators: nothing captured at start-up, slower steps "
                         "(encoders replay vision graphs only when given --vision-graphs)")
@@ -246,7 +252,7 @@ def build_options(args: argparse.Namespace) -> LaunchOptions:
 def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     """The engine and API flags as the generators' and the proxy's own."""
     out = []
-    for name in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "prefill_pacing_ms",
+    for name in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size", "prefill_pacing_ms",
                  "prefill_pacing_max_hold_ms", "seed"):
         if getattr(args, name) is not None:
             out.append(("generator", f"--{name.replace('_', '-')}={getattr(args, name)}"))

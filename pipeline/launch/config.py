@@ -66,6 +66,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    block_size: int | None = None
     max_model_len: int | None = None
     enforce_eager: bool | None = None
     enable_prefix_caching: bool | None = None
