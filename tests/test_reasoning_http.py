@@ -3,7 +3,8 @@ generator: whole and streamed chat answers carry the reasoning apart from
 the content (in `reasoning`, and `reasoning_content` for older clients), the
 tool calls are parsed from the content alone, include_reasoning false drops
 it, a grammar reaches the generator wrapped so that it holds the content
-alone, and a server with no parser, or a text completion, is as before."""
+alone, and a server with no parser, or a text completion, is as before.
+/tokenize renders chats with the same template variables."""
 
 from __future__ import annotations
 
@@ -139,3 +140,18 @@ def test_without_a_parser_and_in_text_completions_nothing_is_split(folder, model
         assert reply["choices"][0]["text"] == OUTPUTS["plain"] and "reasoning" not in reply["choices"][0]
 
     serve_scripted(model, completion, OUTPUTS)
+
+
+def test_tokenize_renders_with_the_same_template_variables_as_chat(model):
+    async def scenario(client, generator):
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        await both(client, "plain", **off)
+        shown = await (await client.post("/tokenize", json={**body("plain", **off), "return_token_strs": True})).json()
+        assert shown["tokens"] == list(generator.requests[0].prompt_token_ids)
+        assert shown["token_strs"][-6:] == ["<think>", "Ċ", "Ċ", "</think>", "Ċ", "Ċ"]   # byte-level names
+        plain = await (await client.post("/tokenize", json=body("plain"))).json()
+        assert "token_strs" not in plain and len(plain["tokens"]) < len(shown["tokens"])
+        refused = await client.post("/tokenize", json={**body("plain"), "chat_template_kwargs": {"tools": []}})
+        assert refused.status == 400 and "chat_template_kwargs may not set tools" in (await refused.text())
+
+    serve_scripted(model, scenario, OUTPUTS)

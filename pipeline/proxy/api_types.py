@@ -204,6 +204,13 @@ NOT_YET_SUPPORTED = {
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
+def check_template_kwargs(kwargs: dict | None) -> None:
+    """A 400 for chat_template_kwargs that would set what the request's own fields set."""
+    if taken := RESERVED_TEMPLATE_VARIABLES & set(kwargs or {}):
+        raise ApiError(f"chat_template_kwargs may not set {', '.join(sorted(taken))}: the request's own fields do",
+                       param="chat_template_kwargs")
+
+
 # Chat fields that a text completion does not take.
 CHAT_ONLY = {"tools": _neutral, "tool_choice": lambda v: v in (None, "none"), "parallel_tool_calls": lambda v: True}
 
@@ -255,9 +262,8 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
             raise ApiError(f"{name} must be at least 1, got {value}", param=name)
     if request.top_k is not None and request.top_k < -1:
         raise ApiError("top_k must be -1 or 0 (off) or a positive number of tokens", param="top_k")
-    if kind == "chat" and (taken := RESERVED_TEMPLATE_VARIABLES & set(request.chat_template_kwargs or {})):
-        raise ApiError(f"chat_template_kwargs may not set {', '.join(sorted(taken))}: the request's own fields do",
-                       param="chat_template_kwargs")
+    if kind == "chat":
+        check_template_kwargs(request.chat_template_kwargs)
     if kind == "chat" and not request.messages:
         raise ApiError("messages must be a non-empty list", param="messages")
     if kind == "chat" and request.continue_final_message and request.add_generation_prompt:

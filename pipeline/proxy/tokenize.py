@@ -8,7 +8,7 @@ import jinja2
 import msgspec
 from aiohttp import web
 
-from pipeline.proxy.api_types import ApiError, ChatMessage, decode_json
+from pipeline.proxy.api_types import ApiError, ChatMessage, check_template_kwargs, decode_json
 from pipeline.proxy.requests import ModelInfo, check_template_takes, plain_messages
 from pipeline.proxy.tools import tool_request
 
@@ -22,6 +22,8 @@ class TokenizeRequest(msgspec.Struct):
     continue_final_message: bool = False
     chat_template: str | None = None     # as on chat completions (ModelInfo.template_for)
     tools: list | None = None            # function definitions for the chat template
+    chat_template_kwargs: dict[str, object] | None = None   # more template variables, as on chat completions
+    return_token_strs: bool = False      # vLLM's: the tokens' strings too
 
 
 class DetokenizeRequest(msgspec.Struct):
@@ -53,17 +55,22 @@ def tokenize_handler(model: ModelInfo):
             if media:
                 raise ApiError("/tokenize takes text messages only (no image_url or video_url parts)",
                                param="messages")
+            check_template_kwargs(req.chat_template_kwargs)
             tools = tool_request(req)
             template = model.template_for(req.chat_template)
             check_template_takes(template, tools, messages)
             try:
                 text = template.render(messages, add_generation_prompt=req.add_generation_prompt,
                                                        tools=tools.template_tools,
-                                                       continue_final_message=req.continue_final_message)
+                                                       continue_final_message=req.continue_final_message,
+                                                       **(req.chat_template_kwargs or {}))
             except (ValueError, jinja2.TemplateError) as exc:
                 raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
             tokens = model.processor.tokenizer.encode(text, bool(req.add_special_tokens))
-        return web.json_response({"count": len(tokens), "max_model_len": model.max_context, "tokens": tokens})
+        body = {"count": len(tokens), "max_model_len": model.max_context, "tokens": tokens}
+        if req.return_token_strs:
+            body["token_strs"] = [model.processor.tokenizer.token_text(t) for t in tokens]
+        return web.json_response(body)
 
     return tokenize
 
