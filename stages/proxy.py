@@ -29,6 +29,7 @@ from pipeline.processing.image_config import add_mm_processor_kwargs_flag
 from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import Processor
 from pipeline.proxy.access import AccessPolicy
+from pipeline.proxy.api_types import template_kwargs_arg
 from pipeline.proxy.dispatcher import ENCODE_FALLBACKS, Dispatcher
 from pipeline.proxy.media_fetch import FetchPolicy
 from pipeline.proxy.reasoning import PARSERS, reasoning_parser
@@ -92,6 +93,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the generators' (epd-launch passes both): with priority, requests may set a priority")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="a request may bring its own chat_template (vLLM's flag; without it such a request is a 400)")
+    p.add_argument("--default-chat-template-kwargs", type=template_kwargs_arg, default={}, metavar="JSON",
+                   help="template variables for every chat, e.g. '{\"enable_thinking\": false}'; a request's "
+                   "chat_template_kwargs override them (vLLM's flag)")
     p.add_argument("--reasoning-parser", choices=PARSERS, metavar="|".join(PARSERS),
                    help="a thinking model's chat answers carry its reasoning (written up to </think>) apart from "
                    "the content, in `reasoning`; a grammar holds only the content (vLLM's flag)")
@@ -178,7 +182,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       trust_request_chat_template=args.trust_request_chat_template,
                       scheduling_policy=args.scheduling_policy,
                       reasoning=reasoning_parser(args.reasoning_parser, processor.tokenizer),
-                      max_logprobs=max_logprobs_of(args.max_logprobs, processor.tokenizer.vocab_size))
+                      max_logprobs=max_logprobs_of(args.max_logprobs, processor.tokenizer.vocab_size),
+                      template_kwargs=args.default_chat_template_kwargs)
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout,

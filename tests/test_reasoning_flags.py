@@ -1,6 +1,7 @@
 """--reasoning-parser as a flag: the proxy refuses an unknown parser, or a
 model whose tokenizer cannot think, in one line; epd-launch and its config
-file pass it to the proxy."""
+file pass it to the proxy. So with --default-chat-template-kwargs, which
+must be a JSON object that sets none of the request's own fields."""
 
 from __future__ import annotations
 
@@ -53,3 +54,19 @@ def test_epd_launch_and_its_config_file_pass_the_parser_to_the_proxy(tiny_dir, t
 
 def test_the_config_schema_names_the_proxys_parsers():
     assert typing.get_args(ReasoningParser) == PARSERS
+
+
+def test_default_template_variables_are_a_json_object_passed_to_the_proxy(tiny_dir, tmp_path):
+    args = cli.parse_args([str(tiny_dir), "--device", "cpu", "--default-chat-template-kwargs",
+                           '{"enable_thinking": false}'])
+    assert '--default-chat-template-kwargs={"enable_thinking": false}' in proxy_flags_of(args)
+    from stages.proxy import parse_args as proxy_args
+    assert proxy_args([*proxy_flags_of(args)]).default_chat_template_kwargs == {"enable_thinking": False}
+    path = tmp_path / "epd.yaml"
+    path.write_text("default-chat-template-kwargs: {enable_thinking: true, effort: 2}\n")
+    args = cli.parse_args(["--config", str(path), str(tiny_dir), "--device", "cpu"])
+    assert '--default-chat-template-kwargs={"enable_thinking": true, "effort": 2}' in proxy_flags_of(args)
+    for bad, says in (("[1]", "expected a JSON object"), ('{"tools": []}', "may not set tools")):
+        result = run_proxy("--default-chat-template-kwargs", bad)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr

@@ -155,3 +155,19 @@ def test_tokenize_renders_with_the_same_template_variables_as_chat(model):
         assert refused.status == 400 and "chat_template_kwargs may not set tools" in (await refused.text())
 
     serve_scripted(model, scenario, OUTPUTS)
+
+
+def test_the_servers_default_template_variables_yield_to_the_requests(folder):
+    processor = Processor.from_checkpoint(folder, image_token_id=0)
+    quiet = ModelInfo("tiny", processor, 4096, b"salt", reasoning=reasoning_parser("qwen3", processor.tokenizer),
+                      template_kwargs={"enable_thinking": False})
+
+    async def scenario(client, generator):
+        whole, _ = await both(client, "closed")   # the server's default: thinking off, all content
+        assert (whole["reasoning"], whole["content"]) == (None, OUTPUTS["closed"])
+        whole, _ = await both(client, "plain", chat_template_kwargs={"enable_thinking": True})
+        assert (whole["reasoning"], whole["content"]) == ("\nThe user greets me.\n", "\n\nHello!")
+        prompts = [processor.tokenizer.decode(r.prompt_token_ids) for r in generator.requests]
+        assert prompts[0].endswith("</think>\n\n") and not prompts[2].endswith("</think>\n\n")
+
+    serve_scripted(quiet, scenario, OUTPUTS)

@@ -94,6 +94,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     enable_auto_tool_choice: bool | None = None
     tool_call_parser: str | None = None
     reasoning_parser: ReasoningParser | None = None
+    default_chat_template_kwargs: dict[str, object] | None = None
     log_dir: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] | None = None
     log_format: Literal["text", "json"] | None = None
@@ -155,7 +156,7 @@ def as_flags(config: LaunchFile) -> list[str]:
             flags += [flag, *([value] if isinstance(value, str) else value)]
         elif field == "gpus":
             flags.append(f"{flag}={','.join(str(g) for g in value)}")
-        elif field in ("allowed_origins", "limit_mm_per_prompt", "mm_processor_kwargs"):
+        elif field in ("allowed_origins", "limit_mm_per_prompt", "mm_processor_kwargs", "default_chat_template_kwargs"):
             flags.append(f"{flag}={json.dumps(value)}")
         else:
             flags.append(f"{flag}={value}")

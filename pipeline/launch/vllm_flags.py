@@ -6,8 +6,10 @@ line otherwise (a flag is never silently dropped)."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
+from pipeline.proxy.api_types import template_kwargs_arg
 from pipeline.proxy.reasoning import PARSERS
 from pipeline.proxy.tls import add_tls_flags, check_tls_flags
 
@@ -38,6 +40,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                        help="accepted: tool calls are always parsed (tool_choice auto is the default with tools)")
     group.add_argument("--tool-call-parser", metavar="NAME",
                        help=f"{', '.join(TOOL_CALL_PARSERS)} only: the format the proxy parses")
+    group.add_argument("--default-chat-template-kwargs", type=template_kwargs_arg, metavar="JSON",
+                       help="template variables for every chat, e.g. '{\"enable_thinking\": false}' (a request's "
+                       "chat_template_kwargs override them)")
     group.add_argument("--reasoning-parser", choices=PARSERS, metavar="|".join(PARSERS),
                        help="chat answers carry the reasoning of a thinking model apart from the content "
                        "(in `reasoning`); structured output holds only the content")
@@ -69,6 +74,8 @@ def proxy_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
         out.append(("proxy", "--enable-prompt-tokens-details"))
     if args.trust_request_chat_template:
         out.append(("proxy", "--trust-request-chat-template"))
+    if args.default_chat_template_kwargs is not None:
+        out.append(("proxy", f"--default-chat-template-kwargs={json.dumps(args.default_chat_template_kwargs)}"))
     if args.reasoning_parser is not None:
         out.append(("proxy", f"--reasoning-parser={args.reasoning_parser}"))
     for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):   # absolute: the proxy runs in its own folder

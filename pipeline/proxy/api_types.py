@@ -9,6 +9,8 @@ silently did something else (`refused_field`).
 
 from __future__ import annotations
 
+import argparse
+import json
 from typing import Literal
 
 import msgspec
@@ -202,6 +204,20 @@ NOT_YET_SUPPORTED = {
 }
 # Template variables the server sets itself: chat_template_kwargs may not.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def template_kwargs_arg(text: str) -> dict:
+    """--default-chat-template-kwargs JSON: template variables for every chat
+    (a request's chat_template_kwargs override them), e.g. '{"enable_thinking": false}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"enable_thinking\": false}}', got {text!r}")
+    if taken := RESERVED_TEMPLATE_VARIABLES & set(value):
+        raise argparse.ArgumentTypeError(f"may not set {', '.join(sorted(taken))}: each request's own fields do")
+    return value
 
 
 def check_template_kwargs(kwargs: dict | None) -> None:

@@ -51,6 +51,8 @@ class ModelInfo:
     scheduling_policy: str = "fcfs"   # the generators' (vLLM's --scheduling-policy): priority takes priorities
     reasoning: ReasoningParser | None = None   # --reasoning-parser: chat answers split into reasoning and content
     max_logprobs: int = MAX_TOP_LOGPROBS   # --max-logprobs: the most top logprobs a request may ask for
+    # --default-chat-template-kwargs: template variables for every chat, under the request's own.
+    template_kwargs: dict = field(default_factory=dict)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -74,6 +76,10 @@ class ModelInfo:
             return self.processor.template.replaced(source)
         except ValueError as exc:
             raise ApiError(str(exc), param="chat_template") from None
+
+    def template_kwargs_for(self, asked: dict | None) -> dict:
+        """A chat's template variables: the server's defaults, then the request's chat_template_kwargs."""
+        return {**self.template_kwargs, **(asked or {})}
 
     def check_name(self, name: str | None) -> str:
         """The name a response reports: the one asked for, else the first.
@@ -109,6 +115,7 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     if len(media) > model.max_images:
         raise ApiError(f"too many images and videos: {len(media)} (at most {model.max_images} per request)",
                        param="messages")
+    template_kwargs = model.template_kwargs_for(req.chat_template_kwargs)
     fetched = await fetch_all(media, policy, session)
     kinds = [kind for kind, _ in media]
     images = [data for kind, data in zip(kinds, fetched) if kind == "image"]
@@ -121,7 +128,7 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
         # Inline, not in a thread: rendering and tokenizing a prompt takes far
         # less than a thread hop costs under the GIL.
         prompt = model.processor.chat_prompt(messages, sizes, plans, tools.template_tools,
-                                             req.add_generation_prompt, req.chat_template_kwargs,
+                                             req.add_generation_prompt, template_kwargs,
                                              req.continue_final_message, req.add_special_tokens, req.documents,
                                              template)
     except (ValueError, jinja2.TemplateError) as exc:
@@ -130,7 +137,7 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     keys = [video_key(data, model.model_id, cfg, options) if kind == "video" else content_hash(data, model.salt)
             for kind, data in zip(kinds, fetched)]
     items = [_Item(kind, data, key) for kind, data, key in zip(kinds, fetched, keys)]
-    reasoning = (model.reasoning.for_request(prompt.token_ids, req.chat_template_kwargs, req.include_reasoning)
+    reasoning = (model.reasoning.for_request(prompt.token_ids, template_kwargs, req.include_reasoning)
                  if model.reasoning is not None else None)
     return _work(req, model, request_id, reply_to, prompt, items, options, grammar, chat_echo(req), reasoning)
 

@@ -63,7 +63,7 @@ def tokenize_handler(model: ModelInfo):
                 text = template.render(messages, add_generation_prompt=req.add_generation_prompt,
                                                        tools=tools.template_tools,
                                                        continue_final_message=req.continue_final_message,
-                                                       **(req.chat_template_kwargs or {}))
+                                                       **model.template_kwargs_for(req.chat_template_kwargs))
             except (ValueError, jinja2.TemplateError) as exc:
                 raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
             tokens = model.processor.tokenizer.encode(text, bool(req.add_special_tokens))
