@@ -16,6 +16,8 @@ from typing import Literal
 import msgspec
 import yaml
 
+from pipeline.models.reasoning_parsers import REASONING_PARSERS
+
 Mode = Literal["epd", "aggregated"]
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -24,7 +26,7 @@ Mps = Literal["auto", "on", "off"]
 EncoderPriority = Literal["normal", "below-normal"]
 EncodeFallback = Literal["off", "local"]
 SchedulingPolicy = Literal["fcfs", "priority"]
-ReasoningParser = Literal["deepseek_r1", "qwen3"]   # pipeline/proxy/reasoning.py's PARSERS
+ReasoningParser = Literal[tuple(REASONING_PARSERS)]
 ENCODE_FALLBACKS = typing.get_args(EncodeFallback)
 
 

@@ -10,12 +10,13 @@ whole answer split alike):
   if empty);
 - with no `</think>`, the whole answer is reasoning (the model was cut off
   while thinking);
-- an answer whose prompt has already closed the reasoning (Qwen3's template
-  writes `<think>\\n\\n</think>` into the prompt when thinking is off) is all
-  content; so is, under qwen3, one whose request turned thinking off
-  (`chat_template_kwargs: {"enable_thinking": false}`), whatever its
-  template wrote. (vLLM's qwen3 still splits such an answer at a
-  `</think>` it writes; here it stays in the content.)
+- an answer whose prompt has already closed the reasoning (some templates
+  write `<think>\\n\\n</think>` into the prompt when thinking is off) is all
+  content; so is, under a parser whose format names the template variable
+  that turns thinking off (pipeline/models/reasoning_parsers.py), one whose
+  request set it false (`chat_template_kwargs: {"enable_thinking": false}`),
+  whatever its template wrote. (vLLM's parser still splits such an answer
+  at a `</think>` it writes; here it stays in the content.)
 
 With a grammar (structured output, or a forced tool_choice) vLLM holds only
 the content to it, not the reasoning: `grammar_after_reasoning` lets any
@@ -28,7 +29,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-PARSERS = ("deepseek_r1", "qwen3")
+from pipeline.models.reasoning_parsers import REASONING_PARSERS
+
+PARSERS = tuple(REASONING_PARSERS)
 START, END = "<think>", "</think>"
 WHITESPACE = " \t\n\r"
 
@@ -37,7 +40,7 @@ WHITESPACE = " \t\n\r"
 class ReasoningParser:
     """One of PARSERS, bound to the model's tokenizer."""
 
-    name: str
+    off_variable: str | None   # the template variable whose false turns thinking off, if any
     start_id: int
     end_id: int
     special_ids: frozenset[int]   # the tokenizer's special tokens: where a prompt scan stops
@@ -45,7 +48,7 @@ class ReasoningParser:
     def for_request(self, prompt_ids, template_kwargs: dict | None, include: bool = True) -> ReasoningSplit:
         """How one request's answer splits: its prompt may already have closed
         the reasoning. include: vLLM's include_reasoning."""
-        thinking_off = self.name == "qwen3" and (template_kwargs or {}).get("enable_thinking") is False
+        thinking_off = self.off_variable is not None and (template_kwargs or {}).get(self.off_variable) is False
         return ReasoningSplit(self.end_id, self._prompt_closed(prompt_ids), thinking_off, include)
 
     def _prompt_closed(self, prompt_ids) -> bool:
@@ -76,7 +79,7 @@ def reasoning_parser(name: str | None, tokenizer) -> ReasoningParser | None:
         raise ValueError(f"--reasoning-parser {name}: this model's tokenizer has no {' or '.join(missing)} "
                          "token; it is not a thinking model")
     special = frozenset(token["id"] for token in added if token.get("special"))
-    return ReasoningParser(name, ids[START], ids[END], special - {ids[START], ids[END]})
+    return ReasoningParser(REASONING_PARSERS[name].off_variable, ids[START], ids[END], special - {ids[START], ids[END]})
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class ReasoningSplit:
 
     end_id: int
     prompt_closed: bool = False   # the prompt already ended the reasoning: all is content
-    thinking_off: bool = False    # qwen3, with enable_thinking false
+    thinking_off: bool = False    # the request set its parser's off_variable false
     include: bool = True          # vLLM's include_reasoning: false drops the reasoning from the answer
 
     @property
