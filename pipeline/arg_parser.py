@@ -4,6 +4,7 @@ exit status 2, not argparse's usage block (one line reads better in a log)."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
@@ -12,6 +13,18 @@ _SIZE = re.compile(r"^(\d+)x(\d+)$")
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def json_object(text: str, example: str) -> dict:
+    """An argparse `type` body: `text` as a JSON object, or an
+    ArgumentTypeError showing `example`."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{example}', got {text!r}")
+    return value
 
 
 def at_least_one(text: str, unit: str, alternative: str = "") -> int:

@@ -34,7 +34,7 @@ from pipeline.proxy.dispatcher import ENCODE_FALLBACKS, Dispatcher
 from pipeline.proxy.media_fetch import FetchPolicy
 from pipeline.proxy.reasoning import PARSERS, reasoning_parser
 from pipeline.proxy.requests import ModelInfo
-from pipeline.proxy.sampling_defaults import sampling_defaults
+from pipeline.proxy.sampling_defaults import generation_overrides_arg, sampling_defaults
 from pipeline.proxy.server import ProxyApp
 from pipeline.proxy.tls import add_tls_flags, check_tls_flags, server_context
 from pipeline.sampling_params import MAX_TOP_LOGPROBS, max_logprobs_of
@@ -70,6 +70,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults for unset request fields: auto (the model's generation_config.json), "
                    "vllm (none), or a folder holding one")
+    p.add_argument("--override-generation-config", type=generation_overrides_arg, default={}, metavar="JSON",
+                   help="generation_config.json keys over the chosen defaults, e.g. '{\"temperature\": 0.7}' "
+                   "(vLLM's flag; with --generation-config vllm, these alone)")
     p.add_argument("--mode", choices=("epd", "aggregated"), default="epd")
     p.add_argument("--encoders", action="append", default=[], help="encoder inbox(es); repeatable or comma-separated")
     p.add_argument("--generators", action="append", default=[], help="generator inbox(es)")
@@ -178,7 +181,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       media_salt(model_id, processor.image_config.settings_key()),
                       aggregated=args.mode == "aggregated", max_images=args.max_images,
                       served_names=tuple(args.served_model_name or ()),
-                      defaults=sampling_defaults(args.generation_config, model_dir),
+                      defaults=sampling_defaults(args.generation_config, model_dir, args.override_generation_config),
                       trust_request_chat_template=args.trust_request_chat_template,
                       scheduling_policy=args.scheduling_policy,
                       reasoning=reasoning_parser(args.reasoning_parser, processor.tokenizer),

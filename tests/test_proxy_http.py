@@ -344,6 +344,28 @@ def test_generation_config_defaults_apply_to_unset_fields_only(tiny_dir, tmp_pat
         sampling_defaults(str(tmp_path), tiny_dir)
 
 
+def test_override_generation_config_goes_over_the_files_defaults_or_alone(tiny_dir, tmp_path):
+    import json
+
+    from pipeline.launch import cli
+    from pipeline.launch.plan import HostFacts, plan_stages
+    from pipeline.proxy.sampling_defaults import sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.8}))
+    over = {"temperature": 0.7, "max_new_tokens": 9}
+    assert sampling_defaults(str(tmp_path), tiny_dir, over) == {"temperature": 0.7, "top_p": 0.8, "max_tokens": 9}
+    assert sampling_defaults("vllm", tmp_path, over) == {"temperature": 0.7, "max_tokens": 9}
+    for bad, says in (({"temprature": 1}, "'temprature' is not one of temperature, top_p"),
+                      ({"top_k": 1.5}, "--override-generation-config: top_k must be an integer")):
+        with pytest.raises(ValueError, match=says):
+            sampling_defaults("vllm", tmp_path, bad)
+    args = cli.parse_args([str(tiny_dir), "--device", "cpu", "--override-generation-config", '{"top_k": 20}'])
+    proxy = next(s for s in plan_stages(cli.build_options(args), HostFacts(gpu_count=0)) if s.role == "proxy")
+    assert '--override-generation-config={"top_k": 20}' in proxy.args
+    from stages.proxy import parse_args as proxy_args
+    assert proxy_args(list(proxy.args)).override_generation_config == {"top_k": 20}
+
+
 def test_chat_template_gives_a_checkpoint_without_tools_a_template_that_takes_them(tiny_dir, tmp_path):
     """The tiny checkpoint's own template reads no tools (a 400); with
     --chat-template (a file, or the template itself), the same request renders."""

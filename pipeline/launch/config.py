@@ -83,6 +83,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     prefill_pacing_ms: float | None = None
     prefill_pacing_max_hold_ms: float | None = None
     generation_config: str | None = None
+    override_generation_config: dict[str, float | int] | None = None
     enable_prompt_tokens_details: bool | None = None
     trust_request_chat_template: bool | None = None
     ssl_keyfile: str | None = None
@@ -158,7 +159,8 @@ def as_flags(config: LaunchFile) -> list[str]:
             flags += [flag, *([value] if isinstance(value, str) else value)]
         elif field == "gpus":
             flags.append(f"{flag}={','.join(str(g) for g in value)}")
-        elif field in ("allowed_origins", "limit_mm_per_prompt", "mm_processor_kwargs", "default_chat_template_kwargs"):
+        elif field in ("allowed_origins", "limit_mm_per_prompt", "mm_processor_kwargs", "default_chat_template_kwargs",
+                       "override_generation_config"):
             flags.append(f"{flag}={json.dumps(value)}")
         else:
             flags.append(f"{flag}={value}")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pipeline.proxy.api_types import template_kwargs_arg
 from pipeline.proxy.reasoning import PARSERS
+from pipeline.proxy.sampling_defaults import generation_overrides_arg
 from pipeline.proxy.tls import add_tls_flags, check_tls_flags
 
 # The tool-call format the proxy parses (pipeline/proxy/tool_parser.py): Hermes's
@@ -23,6 +24,8 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     group.add_argument("--generation-config", metavar="auto|vllm|DIR",
                        help="sampling defaults for unset request fields: auto (the checkpoint's "
                        "generation_config.json, the default), vllm (none), or a folder holding one")
+    group.add_argument("--override-generation-config", type=generation_overrides_arg, metavar="JSON",
+                       help="generation_config.json keys over the chosen defaults, e.g. '{\"temperature\": 0.7}'")
     group.add_argument("--allowed-local-media-path", metavar="DIR",
                        help="a folder that file:// media URLs may read (default: none may)")
     group.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
@@ -68,6 +71,8 @@ def proxy_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
     out = []
     if args.generation_config is not None:
         out.append(("proxy", f"--generation-config={args.generation_config}"))
+    if args.override_generation_config is not None:
+        out.append(("proxy", f"--override-generation-config={json.dumps(args.override_generation_config)}"))
     if args.allowed_local_media_path is not None:
         out.append(("proxy", f"--allowed-local-media-path={args.allowed_local_media_path}"))
     if args.enable_prompt_tokens_details:

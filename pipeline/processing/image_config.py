@@ -20,6 +20,8 @@ from typing import Any
 
 from PIL import Image
 
+from pipeline.arg_parser import json_object
+
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -205,12 +207,7 @@ SERVER_OVERRIDES = ("min_pixels", "max_pixels")
 def mm_processor_kwargs_arg(text: str) -> dict[str, int]:
     """--mm-processor-kwargs's JSON, e.g. '{"max_pixels": 1003520}'; an
     argparse error naming what is wrong."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"max_pixels\": 1003520}}', got {text!r}")
+    value = json_object(text, '{"max_pixels": 1003520}')
     if unknown := sorted(set(value) - set(SERVER_OVERRIDES)):
         raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: the server sets only {', '.join(SERVER_OVERRIDES)}")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):

@@ -10,11 +10,11 @@ silently did something else (`refused_field`).
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Literal
 
 import msgspec
 
+from pipeline.arg_parser import json_object
 from pipeline.sampling_params import MAX_SEED
 
 
@@ -209,12 +209,7 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_
 def template_kwargs_arg(text: str) -> dict:
     """--default-chat-template-kwargs JSON: template variables for every chat
     (a request's chat_template_kwargs override them), e.g. '{"enable_thinking": false}'."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"enable_thinking\": false}}', got {text!r}")
+    value = json_object(text, '{"enable_thinking": false}')
     if taken := RESERVED_TEMPLATE_VARIABLES & set(value):
         raise argparse.ArgumentTypeError(f"may not set {', '.join(sorted(taken))}: each request's own fields do")
     return value
