@@ -108,6 +108,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-logprobs", type=int, default=MAX_TOP_LOGPROBS, metavar="N",
                    help="the most top logprobs a request may ask for (-1: the whole vocabulary; give the "
                    f"generators the same), as vLLM's flag (default: {MAX_TOP_LOGPROBS})")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens 'token_id:N' unless a request says otherwise (vLLM's flag)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with a usage chunk, whatever its stream_options (vLLM's flag)")
     p.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight before 503")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds the requests in flight get to finish; new connections are "
@@ -186,7 +190,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       scheduling_policy=args.scheduling_policy,
                       reasoning=reasoning_parser(args.reasoning_parser, processor.tokenizer),
                       max_logprobs=max_logprobs_of(args.max_logprobs, processor.tokenizer.vocab_size),
-                      template_kwargs=args.default_chat_template_kwargs)
+                      template_kwargs=args.default_chat_template_kwargs,
+                      tokens_as_ids=args.return_tokens_as_token_ids)
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout,
@@ -196,7 +201,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
     access = AccessPolicy(args.api_key or None, args.api_key_all_routes, args.allowed_origins,
                           args.allowed_methods, args.allowed_headers, args.allow_credentials)
     return ProxyApp(dispatcher, model, policy, args.drain_timeout, access,
-                    prompt_tokens_details=args.enable_prompt_tokens_details).build()
+                    prompt_tokens_details=args.enable_prompt_tokens_details,
+                    force_usage=args.enable_force_include_usage).build()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,9 +54,9 @@ class ScriptedGenerator:
         self.outbox.close()
 
 
-def serve_scripted(model, scenario, outputs: dict[str, str], piece: int = 1) -> None:
+def serve_scripted(model, scenario, outputs: dict[str, str], piece: int = 1, **app_options) -> None:
     """Run `await scenario(client, generator)` against a proxy for `model`
-    whose one generator is scripted with `outputs`."""
+    whose one generator is scripted with `outputs`; app_options: ProxyApp's."""
     async def run():
         ctx = zmq.asyncio.Context()
         generator = ScriptedGenerator(ctx, "inproc://scripted-gen", model.processor.tokenizer, piece, outputs)
@@ -64,7 +64,7 @@ def serve_scripted(model, scenario, outputs: dict[str, str], piece: int = 1) -> 
         dispatcher = Dispatcher(ctx, "inproc://scripted-proxy", [], [generator.address], aggregated=True,
                                 ping_interval=0.05)
         try:
-            async with TestClient(TestServer(ProxyApp(dispatcher, model, FetchPolicy()).build())) as client:
+            async with TestClient(TestServer(ProxyApp(dispatcher, model, FetchPolicy(), **app_options).build())) as client:
                 while (await client.get("/health")).status != 200:
                     await asyncio.sleep(0.02)
                 await scenario(client, generator)

@@ -86,6 +86,8 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     override_generation_config: dict[str, float | int] | None = None
     enable_prompt_tokens_details: bool | None = None
     trust_request_chat_template: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    enable_force_include_usage: bool | None = None
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None

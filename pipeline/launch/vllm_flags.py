@@ -32,6 +32,10 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                        help="the only hosts that http(s) media URLs may name")
     group.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage carries prompt_tokens_details.cached_tokens (prompt tokens from the prefix cache)")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprobs name tokens 'token_id:N' unless a request says otherwise")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every stream ends with a usage chunk, whatever its stream_options")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="a request may bring its own chat_template (without it, such a request is a 400)")
     group.add_argument("--trust-remote-code", action="store_true",
@@ -77,8 +81,9 @@ def proxy_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
         out.append(("proxy", f"--allowed-local-media-path={args.allowed_local_media_path}"))
     if args.enable_prompt_tokens_details:
         out.append(("proxy", "--enable-prompt-tokens-details"))
-    if args.trust_request_chat_template:
-        out.append(("proxy", "--trust-request-chat-template"))
+    for name in ("trust_request_chat_template", "return_tokens_as_token_ids", "enable_force_include_usage"):
+        if getattr(args, name):
+            out.append(("proxy", f"--{name.replace('_', '-')}"))
     if args.default_chat_template_kwargs is not None:
         out.append(("proxy", f"--default-chat-template-kwargs={json.dumps(args.default_chat_template_kwargs)}"))
     if args.reasoning_parser is not None:

@@ -23,8 +23,8 @@ from pipeline.proxy.access import MODEL_NAME_KEY, response_id
 from pipeline.proxy.api_types import ApiError
 from pipeline.proxy.flights import Flight, Work
 from pipeline.proxy.request_log import log_aborted
-from pipeline.proxy.responses import (ChatDeltas, Usage, continuous_usage, error_response, prompt_logprobs_at_top,
-                                     response_body, usage_of)
+from pipeline.proxy.responses import (ChatDeltas, Usage, continuous_usage, error_response, final_usage,
+                                     prompt_logprobs_at_top, response_body, usage_of)
 
 
 def copies(work: Work, n: int) -> list[Work]:
@@ -149,7 +149,7 @@ class ManyChoices:
             if delta.finished:
                 done += 1
                 usage.add(delta, counts_prompt=index % req.n == 0)
-        if req.stream_options is not None and req.stream_options.include_usage:
+        if final_usage(req, self.force_usage):
             chunk = stream.chunk(None, None)
             chunk["choices"], chunk["usage"] = [], usage.body()
             await stream.send(chunk)

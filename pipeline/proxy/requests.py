@@ -51,6 +51,7 @@ class ModelInfo:
     scheduling_policy: str = "fcfs"   # the generators' (vLLM's --scheduling-policy): priority takes priorities
     reasoning: ReasoningParser | None = None   # --reasoning-parser: chat answers split into reasoning and content
     max_logprobs: int = MAX_TOP_LOGPROBS   # --max-logprobs: the most top logprobs a request may ask for
+    tokens_as_ids: bool = False   # --return-tokens-as-token-ids: the default of the request field
     # --default-chat-template-kwargs: template variables for every chat, under the request's own.
     template_kwargs: dict = field(default_factory=dict)
 
@@ -297,7 +298,8 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
                                item.kind, fps if item.kind == "video" else None,
                                frames if item.kind == "video" else None)
             for i, (item, tokens) in enumerate(zip(items, item_tokens))]
-    return Work(request, jobs, len(ids) + max_tokens, tokens_as_ids=bool(req.return_tokens_as_token_ids),
+    as_ids = req.return_tokens_as_token_ids
+    return Work(request, jobs, len(ids) + max_tokens, tokens_as_ids=model.tokens_as_ids if as_ids is None else as_ids,
                 prompt_logprobs=req.prompt_logprobs is not None, echo=echo, reasoning=reasoning)
 
 

@@ -53,6 +53,13 @@ def usage_of(last: protocol.TokenDelta, details: bool = False) -> dict:
     return Usage(details).add(last).body()
 
 
+def final_usage(req, forced: bool) -> bool:
+    """Whether a stream ends with a usage chunk: stream_options.include_usage,
+    or the server's --enable-force-include-usage (vLLM's flag)."""
+    options = req.stream_options
+    return forced or (options is not None and options.include_usage)
+
+
 def continuous_usage(req) -> bool:
     """vLLM's stream_options.continuous_usage_stats (with include_usage):
     every chunk with tokens carries the counts so far."""

@@ -25,8 +25,8 @@ from pipeline.proxy.media_fetch import FetchPolicy, guarded_session
 from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.request_log import log_aborted, log_finished
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
-from pipeline.proxy.responses import (ChatDeltas, continuous_usage, error_response, prompt_logprobs_at_top,
-                                     response_body, usage_of)
+from pipeline.proxy.responses import (ChatDeltas, continuous_usage, error_response, final_usage,
+                                     prompt_logprobs_at_top, response_body, usage_of)
 from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
 from pipeline.proxy.tools import tool_request
 
@@ -41,9 +41,10 @@ log = logging.getLogger("epd.proxy")
 class ProxyApp(ManyChoices):
     def __init__(self, dispatcher: Dispatcher, model: ModelInfo, policy: FetchPolicy,
                  drain_timeout: float = 30.0, access: AccessPolicy = AccessPolicy(),
-                 prompt_tokens_details: bool = False) -> None:
+                 prompt_tokens_details: bool = False, force_usage: bool = False) -> None:
         self.dispatcher = dispatcher
         self.prompt_tokens_details = prompt_tokens_details   # usage names the prompt's cached tokens (vLLM's flag)
+        self.force_usage = force_usage   # every stream ends with its usage (--enable-force-include-usage)
         self.model = model
         self.policy = policy
         self.access = access
@@ -291,7 +292,7 @@ class ProxyApp(ManyChoices):
                 await stream.send(chunk)
                 echo = None
             if delta.finished:
-                if req.stream_options is not None and req.stream_options.include_usage:
+                if final_usage(req, self.force_usage):
                     usage = stream.chunk(None, None)
                     usage["choices"], usage["usage"] = [], usage_of(delta, self.prompt_tokens_details)
                     await stream.send(usage)
