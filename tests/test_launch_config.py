@@ -152,7 +152,8 @@ def test_a_file_of_every_key_round_trips():
     assert args.generators == 2 and args.served_model_name == ["one"] and args.gpus == (1,)
 
 
-VLLM_LINE = ["--trust-remote-code", "-tp", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+VLLM_LINE = ["--trust-remote-code", "-tp", "1", "-pp", "1", "--data-parallel-size", "1", "--kv-cache-dtype", "auto",
+             "--load-format", "safetensors", "--enable-chunked-prefill", "--disable-uvicorn-access-log", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
              "--generation-config", "vllm", "--allowed-local-media-path", "/data/media",
              "--enable-prompt-tokens-details", "--allowed-media-domains", "a.example", "b.example",
              "--trust-request-chat-template", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests"]
@@ -185,7 +186,8 @@ def test_the_positional_model_overrides_the_files_model(tmp_path, tiny_dir):
 
 def test_the_vllm_flags_round_trip_through_a_config_file(tmp_path, tiny_dir):
     text = ("trust-remote-code: true\nenforce-eager: true\nenable-auto-tool-choice: false\ntool-call-parser: hermes\n"
-            "allowed-media-domains: [c.example]\ngeneration-config: auto\n")
+            "allowed-media-domains: [c.example]\ngeneration-config: auto\nkv-cache-dtype: auto\n"
+            "enable-chunked-prefill: true\npipeline-parallel-size: 1\n")
     args = cli.parse_args(["--config", str(write(tmp_path, text)), "--model", str(tiny_dir), "--device", "cpu"])
     assert args.trust_remote_code and not args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
     assert proxy_of(args).allowed_media_domains == ["c.example"]
@@ -198,6 +200,11 @@ def test_the_vllm_flags_round_trip_through_a_config_file(tmp_path, tiny_dir):
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: a generator runs on one GPU"),
     (["-tp", "4"], "use --generators N"),
     (["--tool-call-parser", "mistral"], "--tool-call-parser mistral: the proxy parses hermes"),
+    (["-pp", "2"], "--pipeline-parallel-size 2: a generator runs on one GPU"),
+    (["--data-parallel-size", "2"], "--data-parallel-size 2: each generator is one engine"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: the KV cache is kept in the model's dtype"),
+    (["--load-format", "pt"], "--load-format pt: checkpoints are read from their safetensors files"),
+    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: prefill is always chunked here"),
 ])
 def test_vllm_flags_whose_meaning_does_not_hold_here_exit_2_in_one_line(flags, named, capsys):
     with pytest.raises(SystemExit) as exc:

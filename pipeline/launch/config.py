@@ -96,6 +96,12 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     allowed_media_domains: list[str] | None = None
     trust_remote_code: bool | None = None
     tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+    kv_cache_dtype: str | None = None
+    load_format: str | None = None
+    enable_chunked_prefill: bool | None = None
+    disable_uvicorn_access_log: bool | None = None
     enable_auto_tool_choice: bool | None = None
     tool_call_parser: str | None = None
     reasoning_parser: ReasoningParser | None = None
@@ -140,7 +146,7 @@ def explain(message: str) -> str:
     return message
 
 
-NEGATABLE = ("enable_prefix_caching",)
+NEGATABLE = ("enable_prefix_caching", "enable_chunked_prefill")
 
 
 def as_flags(config: LaunchFile) -> list[str]:

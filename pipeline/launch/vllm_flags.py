@@ -9,6 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
+from pipeline.launch.vllm_fixed_flags import add_fixed_flags, check_fixed_flags
 from pipeline.proxy.api_types import template_kwargs_arg
 from pipeline.proxy.reasoning import PARSERS
 from pipeline.proxy.sampling_defaults import generation_overrides_arg
@@ -41,8 +42,7 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     group.add_argument("--trust-remote-code", action="store_true",
                        help="accepted: no checkpoint's own code is ever run here (the model code is this "
                        "package's), so there is nothing to trust")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
-                       help="1 only: a generator runs on one GPU (use --generators for more of them)")
+    add_fixed_flags(group)
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted: tool calls are always parsed (tool_choice auto is the default with tools)")
     group.add_argument("--tool-call-parser", metavar="NAME",
@@ -58,9 +58,7 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
 
 def check_vllm_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """p.error, naming the flag, for a value whose meaning does not hold here."""
-    if args.tensor_parallel_size is not None and args.tensor_parallel_size != 1:
-        p.error(f"--tensor-parallel-size {args.tensor_parallel_size}: a generator runs on one GPU here; "
-                "use --generators N for more generators")
+    check_fixed_flags(p, args)
     check_tls_flags(p, args)
     if args.ssl_cert_reqs == 2:
         p.error("--ssl-cert-reqs 2: the launcher's own /health check has no client certificate; "
