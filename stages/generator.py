@@ -79,6 +79,22 @@ def add_fast_path_flags(p: argparse.ArgumentParser) -> None:
                         "CUDA graphs (the default wherever decode runs them)")
 
 
+def _add_request_policy_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for how requests are drawn, ordered, cached and answered."""
+    p.add_argument("--seed", type=int, metavar="N",
+                   help="the random draws of requests without a seed of their own start from N at start-up, as "
+                        "vLLM's flag: the same requests in the same order sample the same tokens after a restart")
+    p.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
+                   help="fcfs, or priority: requests by their priority (lower first), then arrival, and the "
+                        "least urgent preempted first, as vLLM's flag (default: fcfs)")
+    p.add_argument("--max-logprobs", type=int, default=MAX_TOP_LOGPROBS, metavar="N",
+                   help="the most top logprobs a request may ask for, per token or prompt token (-1: the whole "
+                        f"vocabulary), as vLLM's flag (default: {MAX_TOP_LOGPROBS})")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the KV blocks of computed prompts, by content (tokens and images), for later "
+                        "prompts that start the same way, as vLLM's flag (default: on)")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = OneLineParser(prog="stages.generator", description=__doc__.splitlines()[0])
     p.add_argument("--address", required=True, help="inbox address to bind (ipc:// or tcp://)")
@@ -131,18 +147,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="set a one-byte file at PATH while a step with prefill tokens runs, for the encoders "
                         "beside this generator on its GPU (their --yield-to-prefill; epd-launch "
                         "--encoder-yield-ms sets both)")
-    p.add_argument("--seed", type=int, metavar="N",
-                   help="the random draws of requests without a seed of their own start from N at start-up, as "
-                        "vLLM's flag: the same requests in the same order sample the same tokens after a restart")
-    p.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
-                   help="fcfs, or priority: requests by their priority (lower first), then arrival, and the "
-                        "least urgent preempted first, as vLLM's flag (default: fcfs)")
-    p.add_argument("--max-logprobs", type=int, default=MAX_TOP_LOGPROBS, metavar="N",
-                   help="the most top logprobs a request may ask for, per token or prompt token (-1: the whole "
-                        f"vocabulary), as vLLM's flag (default: {MAX_TOP_LOGPROBS})")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep the KV blocks of computed prompts, by content (tokens and images), for later "
-                        "prompts that start the same way, as vLLM's flag (default: on)")
+    _add_request_policy_flags(p)
     add_fast_path_flags(p)
     add_log_flags(p)
     args = p.parse_args(argv)

@@ -50,50 +50,17 @@ def _addresses(values: list[str]) -> list[str]:
     return [a for v in values for a in v.split(",") if a]
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = OneLineParser(prog="stages.proxy", description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--address", help="this proxy's inbox (default: ipc:// in the private run folder)")
-    p.add_argument("--model", type=model_dir_arg, help="checkpoint folder (default: the built-in tiny model)")
-    p.add_argument("--model-id", help="served model name and hash salt (default: the folder name)")
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the names clients may ask for, the first reported by default (default: --model-id)")
-    p.add_argument("--api-key", default=os.environ.get("EPD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on the API routes (default: $EPD_API_KEY; none)")
-    p.add_argument("--api-key-all-routes", action="store_true",
-                   help="the API key guards /health, /metrics and /version too")
-    p.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS origins, a JSON list')
-    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
-    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
-    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+def _add_answer_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that shape answers: prompts, sampling defaults, reasoning, logprobs, usage."""
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults for unset request fields: auto (the model's generation_config.json), "
                    "vllm (none), or a folder holding one")
     p.add_argument("--override-generation-config", type=generation_overrides_arg, default={}, metavar="JSON",
                    help="generation_config.json keys over the chosen defaults, e.g. '{\"temperature\": 0.7}' "
                    "(vLLM's flag; with --generation-config vllm, these alone)")
-    p.add_argument("--mode", choices=("epd", "aggregated"), default="epd")
-    p.add_argument("--encoders", action="append", default=[], help="encoder inbox(es); repeatable or comma-separated")
-    p.add_argument("--generators", action="append", default=[], help="generator inbox(es)")
-    p.add_argument("--allowed-local-media-path", "--allow-file-dir", dest="allow_file_dir", action="append",
-                   default=[], type=Path, metavar="DIR", help="a folder file:// media URLs may read; repeatable")
-    p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
-                   help="the only hosts http(s) media URLs may name (these may be private addresses)")
-    p.add_argument("--disable-http-media", action="store_true", help="refuse http(s):// media URLs")
-    p.add_argument("--allow-http", action="store_true", help=argparse.SUPPRESS)   # the default now
-    p.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="S",
-                   help="seconds for one http(s) media fetch, redirects included")
-    p.add_argument("--max-image-bytes", type=int, default=20 << 20)
-    p.add_argument("--max-images", type=int, default=16, help="images per request")
     p.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) instead of the checkpoint's, e.g. "
                         "one that takes tools for a checkpoint whose own does not")
-    add_mm_processor_kwargs_flag(p)
-    p.add_argument("--max-model-len", type=int, metavar="N",
-                   help="prompt plus output tokens a request may have (default, and at most: the checkpoint's)")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="the generators' (epd-launch passes both): with priority, requests may set a priority")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="a request may bring its own chat_template (vLLM's flag; without it such a request is a 400)")
     p.add_argument("--default-chat-template-kwargs", type=template_kwargs_arg, default={}, metavar="JSON",
@@ -112,6 +79,44 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="logprobs name tokens 'token_id:N' unless a request says otherwise (vLLM's flag)")
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="every stream ends with a usage chunk, whatever its stream_options (vLLM's flag)")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = OneLineParser(prog="stages.proxy", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", help="this proxy's inbox (default: ipc:// in the private run folder)")
+    p.add_argument("--model", type=model_dir_arg, help="checkpoint folder (default: the built-in tiny model)")
+    p.add_argument("--model-id", help="served model name and hash salt (default: the folder name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names clients may ask for, the first reported by default (default: --model-id)")
+    p.add_argument("--api-key", default=os.environ.get("EPD_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on the API routes (default: $EPD_API_KEY; none)")
+    p.add_argument("--api-key-all-routes", action="store_true",
+                   help="the API key guards /health, /metrics and /version too")
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS origins, a JSON list')
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--mode", choices=("epd", "aggregated"), default="epd")
+    p.add_argument("--encoders", action="append", default=[], help="encoder inbox(es); repeatable or comma-separated")
+    p.add_argument("--generators", action="append", default=[], help="generator inbox(es)")
+    p.add_argument("--allowed-local-media-path", "--allow-file-dir", dest="allow_file_dir", action="append",
+                   default=[], type=Path, metavar="DIR", help="a folder file:// media URLs may read; repeatable")
+    p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="the only hosts http(s) media URLs may name (these may be private addresses)")
+    p.add_argument("--disable-http-media", action="store_true", help="refuse http(s):// media URLs")
+    p.add_argument("--allow-http", action="store_true", help=argparse.SUPPRESS)   # the default now
+    p.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds for one http(s) media fetch, redirects included")
+    p.add_argument("--max-image-bytes", type=int, default=20 << 20)
+    p.add_argument("--max-images", type=int, default=16, help="images per request")
+    add_mm_processor_kwargs_flag(p)
+    p.add_argument("--max-model-len", type=int, metavar="N",
+                   help="prompt plus output tokens a request may have (default, and at most: the checkpoint's)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="the generators' (epd-launch passes both): with priority, requests may set a priority")
+    _add_answer_flags(p)
     p.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight before 503")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds the requests in flight get to finish; new connections are "
