@@ -5,7 +5,9 @@ content, the text after `</think>`.
 As vLLM's parsers of the same names (the text decides, so a stream and a
 whole answer split alike):
 - a `<think>` that opens the answer (after any whitespace) is dropped: some
-  chat templates write it into the prompt, some models write it themselves;
+  chat templates write it into the prompt, some models write it themselves
+  (vLLM's drops the text up to a `<think>` anywhere; here a later one stays
+  in the reasoning, as written);
 - the reasoning runs to the first `</think>`, the content is the rest (None
   if empty);
 - with no `</think>`, the whole answer is reasoning (the model was cut off
