@@ -174,6 +174,11 @@ class Tokenizer:
         """Named special tokens that are set (bos_token, eos_token, ...), as chat templates see them."""
         return dict(self._special_tokens)
 
+    def added_tokens(self) -> dict[str, tuple[int, bool]]:
+        """Each added token's text -> (its id, whether it is special)."""
+        return {token.content: (token_id, token.special)
+                for token_id, token in self._backend.get_added_tokens_decoder().items()}
+
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json holds it (for the grammar matchers)."""
         return self._backend.to_str()

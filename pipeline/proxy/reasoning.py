@@ -74,14 +74,14 @@ def reasoning_parser(name: str | None, tokenizer) -> ReasoningParser | None:
         return None
     if name not in PARSERS:
         raise ValueError(f"--reasoning-parser {name}: want one of {', '.join(PARSERS)}")
-    added = json.loads(tokenizer.to_json()).get("added_tokens", ())
-    ids = {token["content"]: token["id"] for token in added}
-    missing = [tag for tag in (START, END) if tag not in ids]
+    added = tokenizer.added_tokens()
+    missing = [tag for tag in (START, END) if tag not in added]
     if missing:
         raise ValueError(f"--reasoning-parser {name}: this model's tokenizer has no {' or '.join(missing)} "
                          "token; it is not a thinking model")
-    special = frozenset(token["id"] for token in added if token.get("special"))
-    return ReasoningParser(REASONING_PARSERS[name].off_variable, ids[START], ids[END], special - {ids[START], ids[END]})
+    (start, _), (end, _) = added[START], added[END]
+    special = frozenset(token_id for token_id, is_special in added.values() if is_special)
+    return ReasoningParser(REASONING_PARSERS[name].off_variable, start, end, special - {start, end})
 
 
 @dataclass(frozen=True)

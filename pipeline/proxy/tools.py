@@ -127,7 +127,7 @@ def tag_tokens_of(tokenizer) -> frozenset[str]:
     """The tool-call tags the tokenizer has as added tokens of their own (as
     real checkpoints' do). llguidance reads every added token as a special one, which a
     plain-text literal never matches: the grammar must name these as tokens."""
-    added = {token["content"] for token in json.loads(tokenizer.to_json()).get("added_tokens", ())}
+    added = tokenizer.added_tokens()
     return frozenset(tag for tag in (START, END) if tag in added)
 
 
