@@ -79,6 +79,9 @@ def _add_answer_flags(p: argparse.ArgumentParser) -> None:
                    help="logprobs name tokens 'token_id:N' unless a request says otherwise (vLLM's flag)")
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="every stream ends with a usage chunk, whatever its stream_options (vLLM's flag)")
+    p.add_argument("--responses-store-mb", type=float, default=64.0, metavar="MB",
+                   help="memory for the Responses API's stored answers (store, previous_response_id), the "
+                   "oldest dropped first; 0 stores none (default: 64)")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -150,6 +153,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--orphan-timeout must be >= 0 seconds")
     if args.max_logprobs < -1:
         p.error("--max-logprobs must be -1 (the whole vocabulary) or at least 0")
+    if args.responses_store_mb < 0:
+        p.error("--responses-store-mb must be >= 0 (0 stores none)")
     return args
 
 
@@ -207,7 +212,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
                           args.allowed_methods, args.allowed_headers, args.allow_credentials)
     return ProxyApp(dispatcher, model, policy, args.drain_timeout, access,
                     prompt_tokens_details=args.enable_prompt_tokens_details,
-                    force_usage=args.enable_force_include_usage).build()
+                    force_usage=args.enable_force_include_usage,
+                    responses_store_bytes=int(args.responses_store_mb * (1 << 20))).build()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,8 @@ from pipeline.proxy.server import ProxyApp
 class ScriptedGenerator:
     """Answers stats requests, and each generate request with the output
     that its prompt names (`outputs[key]` for a prompt holding "[key]"),
-    one delta per `piece` characters."""
+    one delta per `piece` characters. An output is its text, or (its text,
+    the finish reason) where it ends otherwise than "stop"."""
 
     def __init__(self, ctx, address: str, tokenizer, piece: int, outputs: dict[str, str]) -> None:
         self.address, self.tokenizer, self.piece, self.outputs = address, tokenizer, piece, outputs
@@ -40,12 +41,13 @@ class ScriptedGenerator:
     async def answer(self, request: protocol.GenerateRequest) -> None:
         prompt = self.tokenizer.decode(request.prompt_token_ids)
         text = next(out for key, out in self.outputs.items() if f"[{key}]" in prompt)
+        text, finish = text if isinstance(text, tuple) else (text, "stop")
         pieces = [text[i:i + self.piece] for i in range(0, len(text), self.piece)]
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
             logprobs = ((-0.5, (7,), (-0.5,)),) if request.sampling.logprobs is not None else ()
             self.outbox.try_send(request.reply_to, protocol.TokenDelta(
-                request.request_id, (7,), piece, last, "stop" if last else "", len(request.prompt_token_ids),
+                request.request_id, (7,), piece, last, finish if last else "", len(request.prompt_token_ids),
                 i + 1, logprobs=logprobs))
             await asyncio.sleep(0)   # a yield: the deltas go out one by one
 

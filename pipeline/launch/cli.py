@@ -202,6 +202,8 @@ def _add_engine_and_api_flags(p: argparse.ArgumentParser) -> None:
                      help="a Jinja chat template instead of the checkpoint's (a file is passed as its path)")
     api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $EPD_API_KEY; none)")
     api.add_argument("--allowed-origins", metavar="JSON", help='CORS origins, a JSON list (default: ["*"])')
+    api.add_argument("--responses-store-mb", type=float, metavar="MB",
+                     help="memory for the Responses API's stored answers; 0 stores none (default: 64)")
 
 
 def _gpu_list(text: str) -> tuple[int, ...]:
@@ -291,6 +293,8 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
         out.append(("proxy", f"--chat-template={value}"))
     if args.allowed_origins:
         out.append(("proxy", f"--allowed-origins={args.allowed_origins}"))
+    if args.responses_store_mb is not None:
+        out.append(("proxy", f"--responses-store-mb={args.responses_store_mb}"))
     return tuple(out)
 
 

@@ -65,6 +65,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     api_key: str | None = None
     chat_template: str | None = None
     allowed_origins: list[str] | None = None
+    responses_store_mb: float | None = None
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None

@@ -27,6 +27,8 @@ from pipeline.proxy.request_log import log_aborted, log_finished
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
 from pipeline.proxy.responses import (ChatDeltas, continuous_usage, error_response, final_usage,
                                      prompt_logprobs_at_top, response_body, usage_of)
+from pipeline.proxy.responses_endpoint import ResponsesEndpoints
+from pipeline.proxy.responses_store import ResponseStore
 from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
 from pipeline.proxy.tools import tool_request
 
@@ -38,13 +40,15 @@ DRAIN_POLL_S = 0.05      # how often a stopping proxy looks whether its requests
 log = logging.getLogger("epd.proxy")
 
 
-class ProxyApp(ManyChoices):
+class ProxyApp(ManyChoices, ResponsesEndpoints):
     def __init__(self, dispatcher: Dispatcher, model: ModelInfo, policy: FetchPolicy,
                  drain_timeout: float = 30.0, access: AccessPolicy = AccessPolicy(),
-                 prompt_tokens_details: bool = False, force_usage: bool = False) -> None:
+                 prompt_tokens_details: bool = False, force_usage: bool = False,
+                 responses_store_bytes: int = 64 << 20) -> None:
         self.dispatcher = dispatcher
         self.prompt_tokens_details = prompt_tokens_details   # usage names the prompt's cached tokens (vLLM's flag)
         self.force_usage = force_usage   # every stream ends with its usage (--enable-force-include-usage)
+        self.responses = ResponseStore(responses_store_bytes)   # the Responses API's stored answers
         self.model = model
         self.policy = policy
         self.access = access
@@ -67,7 +71,7 @@ class ProxyApp(ManyChoices):
                         web.post("/invocations", self.invocations),
                         web.get("/metrics", self.metrics_page), web.get("/version", version_page),
                         web.post("/tokenize", tokenize_handler(self.model)),
-                        web.post("/detokenize", detokenize_handler(self.model))])
+                        web.post("/detokenize", detokenize_handler(self.model)), *self.responses_routes()])
         add_cors(app, self.access)
         app.on_startup.append(self._start)
         app.on_shutdown.append(self._drain)
@@ -177,7 +181,8 @@ class ProxyApp(ManyChoices):
 
     # -------------------------------------------------------------- serving
 
-    async def _serve(self, request: web.Request, req, work, chat: bool) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, req, work, chat: bool, answer=None) -> web.StreamResponse:
+        """answer: how the answer is shaped (a ResponsesAnswer), if not as a chat or text completion."""
         if self.stopping:    # it was still reading its images when the drain ended
             raise ApiError("the server stopped before this request was sent on", status=503)
         flight = self.dispatcher.submit(work)
@@ -188,13 +193,15 @@ class ProxyApp(ManyChoices):
                 # Text only: nothing about the input can be rejected from here
                 # on, so the headers and the role chunk go out while the
                 # generator works instead of after its first token.
-                stream = await self._open_stream(request, chat)
-                return await self._stream(stream, req, flight, await self._next(flight))
+                stream = await self._open(request, chat, answer)
+                return await self._streamed(stream, req, flight, await self._next(flight), answer)
             first = await self._next(flight)
             if first.finished and first.error:
                 return error_response(first)   # e.g. a bad image: a 4xx, not a broken stream
             if req.stream:
-                return await self._stream(await self._open_stream(request, chat), req, flight, first)
+                return await self._streamed(await self._open(request, chat, answer), req, flight, first, answer)
+            if answer is not None:
+                return await answer.whole(request, flight, first)
             return await self._whole(request, flight, first, chat)
         except (asyncio.CancelledError, ConnectionResetError):
             if self.dispatcher.abort(rid):    # still live: nothing has counted its tokens
@@ -207,6 +214,14 @@ class ProxyApp(ManyChoices):
             raise
         finally:
             self._clients.pop(rid, None)
+
+    async def _open(self, request, chat: bool, answer):
+        return await (answer.open(request) if answer is not None else self._open_stream(request, chat))
+
+    async def _streamed(self, opened, req, flight, delta, answer):
+        if answer is not None:
+            return await answer.stream(opened, flight, delta)
+        return await self._stream(opened, req, flight, delta)
 
     async def _next(self, flight: Flight) -> protocol.TokenDelta:
         delta = await flight.deltas.get()
