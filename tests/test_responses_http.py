@@ -209,6 +209,10 @@ def test_tool_calls_are_function_call_items_and_their_outputs_go_back_in(model):
         prompt = prompt_of(model, generator)
         assert "get_weather" in prompt and "<tool_response>" in prompt and "21 C" in prompt
         assert prompt.index("<tool_call>") < prompt.index("21 C")
+        await create(client, tools=TOOLS, previous_response_id=reply["id"], input=[
+            {"type": "function_call_output", "call_id": call["call_id"],
+             "output": [{"type": "input_text", "text": "[again] 21"}, {"type": "input_text", "text": " C"}]}])
+        assert prompt_of(model, generator) == prompt   # an output in parts reads as its text
         # The same conversation sent whole, the call as an input item: the same prompt.
         await create(client, tools=TOOLS, input=[
             {"role": "user", "content": "[tool] weather?"},
@@ -283,6 +287,8 @@ def test_a_thinking_model_answers_with_a_reasoning_item(thinking):
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [
+        {"type": "input_image", "image_url": "data:,"}]}]}, "input"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "truncation": "sometimes"}, "truncation"),
     ({"input": "x", "service_tier": "flex"}, "service_tier"),

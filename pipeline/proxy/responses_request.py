@@ -230,9 +230,10 @@ def _join_call(messages: list[dict], item: dict, where: str) -> None:
 def _call_output(output, where: str) -> str:
     if isinstance(output, str):
         return output
-    if isinstance(output, list):   # parts: the text of the text ones
-        return "".join(_part(part, f"{where}.output")["text"] for part in output)
-    raise ApiError(f"{where}.output must be a string or a list of input_text parts", param="input")
+    parts = [_part(part, f"{where}.output") for part in output] if isinstance(output, list) else None
+    if parts is None or any(part["type"] != "text" for part in parts):
+        raise ApiError(f"{where}.output must be a string or a list of input_text parts", param="input")
+    return "".join(part["text"] for part in parts)
 
 
 def _text_field(item: dict, name: str, where: str) -> str:
