@@ -42,6 +42,9 @@ REFUSED = {
     "functions": [{"name": "f"}], "function_call": "auto",
     "best_of": 2,
     "logits_processors": ["mod.Proc"],
+    "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
+    "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+    "verbosity": "low", "store": True, "service_tier": "flex",
 }
 
 
@@ -56,8 +59,15 @@ def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
             parse_body(json.dumps(chat_body(**{field: value})).encode(), "chat")
         assert caught.value.param == field and f"'{field}'" in str(caught.value) and caught.value.status == 400
     neutral = dict(tools=[], tool_choice="none", logprobs=False, top_logprobs=0,
-                   best_of=1, parallel_tool_calls=True)
+                   best_of=1, parallel_tool_calls=True, modalities=["text"], verbosity="medium", store=False,
+                   service_tier="auto", audio=None, user="u-1", safety_identifier="s", prompt_cache_key="k",
+                   metadata={"team": "a"}, reasoning_effort="low")
     parse_body(json.dumps(chat_body(**neutral)).encode(), "chat")
+    for field, value in (("reasoning_effort", "extreme"), ("metadata", {str(i): "v" for i in range(17)}),
+                         ("metadata", {"k": 1})):
+        with pytest.raises(api.ApiError, match=field):
+            parse_body(json.dumps(chat_body(**{field: value})).encode(), "chat")
+    parse_body(json.dumps({"prompt": "x", "user": "u-1"}).encode(), "completion")
     for field, value in (("suffix", "tail"), ("tools", [{"type": "function"}]),
                          ("tool_choice", "auto")):
         with pytest.raises(api.ApiError, match=f"'{field}'"):

@@ -171,3 +171,29 @@ def test_the_servers_default_template_variables_yield_to_the_requests(folder):
         assert prompts[0].endswith("</think>\n\n") and not prompts[2].endswith("</think>\n\n")
 
     serve_scripted(quiet, scenario, OUTPUTS)
+
+
+def test_reasoning_effort_sets_the_template_variables_under_the_requests_own(folder):
+    """OpenAI's reasoning_effort, as the Responses API takes reasoning.effort:
+    none turns thinking off, any other effort on (over the server's default);
+    the request's chat_template_kwargs still have the last word."""
+    processor = Processor.from_checkpoint(folder, image_token_id=0)
+    quiet = ModelInfo("tiny", processor, 4096, b"salt", reasoning=reasoning_parser("qwen3", processor.tokenizer),
+                      template_kwargs={"enable_thinking": False})
+
+    async def scenario(client, generator):
+        whole, streamed = await both(client, "plain", reasoning_effort="high")
+        assert (whole["reasoning"], whole["content"]) == ("\nThe user greets me.\n", "\n\nHello!")
+        assert streamed["reasoning"] == whole["reasoning"]
+        whole, _ = await both(client, "closed", reasoning_effort="none")
+        assert (whole["reasoning"], whole["content"]) == (None, OUTPUTS["closed"])
+        whole, _ = await both(client, "closed", reasoning_effort="high",
+                              chat_template_kwargs={"enable_thinking": False})
+        assert (whole["reasoning"], whole["content"]) == (None, OUTPUTS["closed"])
+        prompts = [processor.tokenizer.decode(r.prompt_token_ids) for r in generator.requests]
+        assert not prompts[0].endswith("</think>\n\n") and prompts[2].endswith("</think>\n\n")
+        assert prompts[4].endswith("</think>\n\n")
+        refused = await client.post(CHAT, json=body("plain", reasoning_effort="max"))
+        assert refused.status == 400 and (await refused.json())["error"]["param"] == "reasoning_effort"
+
+    serve_scripted(quiet, scenario, OUTPUTS)

@@ -162,6 +162,7 @@ class SamplingFields(msgspec.Struct):
     logits_processors: list | None = None
     # vLLM's: only requests with the same salt share prefix-cached KV blocks.
     cache_salt: str | None = None
+    user: str | None = None   # OpenAI's end-user id: nothing here is per user
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -180,6 +181,21 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False
     chat_template: str | None = None   # only with --trust-request-chat-template (ModelInfo.template_for)
     include_reasoning: bool = True   # vLLM's: false leaves the reasoning out (with --reasoning-parser)
+    # OpenAI's: template variables, as on the Responses API (effort_variables).
+    reasoning_effort: str | None = None
+    # OpenAI's, with nothing to act on here: ids and tags for the caller's
+    # own records, and a routing hint (the prefix cache needs no key).
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # OpenAI's, accepted only at their neutral values (NOT_YET_SUPPORTED).
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+    verbosity: str | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -201,7 +217,33 @@ NOT_YET_SUPPORTED = {
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: not v,
     "logits_processors": _neutral,
+    # OpenAI's chat fields for what the models served here do not have.
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "verbosity": lambda v: v in (None, "medium"),
+    "store": _neutral,   # stored chat completions (OpenAI's evals and distillation)
+    "service_tier": lambda v: v in (None, "auto", "default"),
 }
+# What a refused field's error says beyond its name, where there is more to say.
+_REFUSAL_HINTS = {
+    "modalities": "the models served here write text only (modalities [\"text\"])",
+    "verbosity": "the models served here take no verbosity (leave it unset or medium)",
+    "store": "chat completions are not stored here",
+    "service_tier": "this server has one tier (auto or default)",
+}
+# reasoning_effort's values (chat's, and the Responses API's reasoning.effort).
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def effort_variables(effort: str | None) -> dict:
+    """A reasoning effort as the chat template's variables, as vLLM passes
+    it: none turns thinking off (enable_thinking, which thinking models'
+    templates read), and the effort itself for templates that read it."""
+    if effort is None:
+        return {}
+    return {"enable_thinking": effort != "none", "reasoning_effort": effort}
 # Template variables the server sets itself: chat_template_kwargs may not.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
@@ -257,7 +299,8 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
     if not 1 <= request.n <= MAX_N:
         raise ApiError(f"n must be in [1, {MAX_N}], got {request.n}", param="n")
     if (field := refused_field(request)) is not None:
-        raise ApiError(f"'{field}' is not supported by this server yet; leave it unset", param=field)
+        hint = _REFUSAL_HINTS.get(field, "leave it unset")
+        raise ApiError(f"'{field}' is not supported by this server yet; {hint}", param=field)
     if kind == "completion" and (field := next((f for f, neutral in CHAT_ONLY.items()
                                                 if not neutral(getattr(request, f))), None)):
         raise ApiError(f"'{field}' is for /v1/chat/completions; text completions take no tools", param=field)
@@ -275,6 +318,10 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
         raise ApiError("top_k must be -1 or 0 (off) or a positive number of tokens", param="top_k")
     if kind == "chat":
         check_template_kwargs(request.chat_template_kwargs)
+        if request.reasoning_effort not in (None, *EFFORTS):
+            raise ApiError(f"reasoning_effort must be one of {', '.join(EFFORTS)}", param="reasoning_effort")
+        if request.metadata is not None and len(request.metadata) > 16:
+            raise ApiError("metadata takes at most 16 keys", param="metadata")
     if kind == "chat" and not request.messages:
         raise ApiError("messages must be a non-empty list", param="messages")
     if kind == "chat" and request.continue_final_message and request.add_generation_prompt:

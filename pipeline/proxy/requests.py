@@ -22,6 +22,7 @@ from pipeline.proxy.api_types import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    effort_variables,
     image_url_of,
     video_url_of,
 )
@@ -116,7 +117,9 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     if len(media) > model.max_images:
         raise ApiError(f"too many images and videos: {len(media)} (at most {model.max_images} per request)",
                        param="messages")
-    template_kwargs = model.template_kwargs_for(req.chat_template_kwargs)
+    # reasoning_effort's variables, under the request's own chat_template_kwargs.
+    template_kwargs = model.template_kwargs_for({**effort_variables(req.reasoning_effort),
+                                                 **(req.chat_template_kwargs or {})})
     fetched = await fetch_all(media, policy, session)
     kinds = [kind for kind, _ in media]
     images = [data for kind, data in zip(kinds, fetched) if kind == "image"]

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import msgspec
 
-from pipeline.proxy.api_types import (ApiError, ChatCompletionRequest, MediaProcessorKwargs, StructuredOutputs,
-                                      decode_json)
+from pipeline.proxy.api_types import (EFFORTS, ApiError, ChatCompletionRequest, MediaProcessorKwargs,
+                                      StructuredOutputs, decode_json)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
 class TextFormat(msgspec.Struct):
@@ -145,7 +144,8 @@ def chat_request(req: ResponsesRequest, turns: list[dict], max_context: int) -> 
     fields.update(messages=messages, stream=req.stream, max_tokens=req.max_output_tokens,
                   tools=[_chat_tool(i, tool) for i, tool in enumerate(req.tools)] if req.tools else None,
                   tool_choice=_chat_tool_choice(req.tool_choice), response_format=_response_format(req.text),
-                  chat_template_kwargs={**_effort_variables(req.reasoning), **(req.chat_template_kwargs or {})})
+                  reasoning_effort=req.reasoning.effort if req.reasoning is not None else None,
+                  chat_template_kwargs=req.chat_template_kwargs)
     if wants_logprobs(req):
         fields.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     if req.truncation == "auto":   # keep the prompt's end, with room for the answer
@@ -274,11 +274,3 @@ def _response_format(text: TextConfig | None) -> dict | None:
         return {"type": "json_schema", "json_schema": {"name": fmt.name or "answer", "schema": fmt.schema}}
     raise ApiError(f"text.format type {fmt.type!r} is not one of text, json_object, json_schema", param="text")
 
-
-def _effort_variables(reasoning: ReasoningConfig | None) -> dict:
-    """reasoning.effort as the chat template's variables, as vLLM passes it:
-    none turns thinking off (enable_thinking, which thinking models' templates read)."""
-    effort = reasoning.effort if reasoning is not None else None
-    if effort is None:
-        return {}
-    return {"enable_thinking": effort != "none", "reasoning_effort": effort}
