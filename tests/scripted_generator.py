@@ -16,12 +16,16 @@ from pipeline.proxy.dispatcher import Dispatcher
 from pipeline.proxy.media_fetch import FetchPolicy
 from pipeline.proxy.server import ProxyApp
 
+FAILURE = "the scripted generator failed"
+
 
 class ScriptedGenerator:
     """Answers stats requests, and each generate request with the output
     that its prompt names (`outputs[key]` for a prompt holding "[key]"),
     one delta per `piece` characters. An output is its text, or (its text,
-    the finish reason) where it ends otherwise than "stop"."""
+    the finish reason) where it ends otherwise than "stop"; finish reason
+    "error" sends the text, then a failure (as a generator whose request
+    failed partway: a 500 with FAILURE as its message)."""
 
     def __init__(self, ctx, address: str, tokenizer, piece: int, outputs: dict[str, str]) -> None:
         self.address, self.tokenizer, self.piece, self.outputs = address, tokenizer, piece, outputs
@@ -44,12 +48,16 @@ class ScriptedGenerator:
         text, finish = text if isinstance(text, tuple) else (text, "stop")
         pieces = [text[i:i + self.piece] for i in range(0, len(text), self.piece)]
         for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
+            last = i == len(pieces) - 1 and finish != "error"
             logprobs = ((-0.5, (7,), (-0.5,)),) if request.sampling.logprobs is not None else ()
             self.outbox.try_send(request.reply_to, protocol.TokenDelta(
                 request.request_id, (7,), piece, last, finish if last else "", len(request.prompt_token_ids),
                 i + 1, logprobs=logprobs))
             await asyncio.sleep(0)   # a yield: the deltas go out one by one
+        if finish == "error":
+            self.outbox.try_send(request.reply_to, protocol.TokenDelta(
+                request.request_id, (), "", True, "error", len(request.prompt_token_ids), len(pieces),
+                error=FAILURE, status=500))
 
     def close(self) -> None:
         self.inbox.close()

@@ -2,7 +2,8 @@
 generator), through the official openai SDK: an answer about an image is
 the chat API's greedy answer, token for token, whole and streamed; a
 conversation chained by previous_response_id is answered as the chat API
-answers the same history sent whole; a deleted response is gone."""
+answers the same history sent whole; each one's input items list; a
+deleted response is gone."""
 
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ def test_a_chained_conversation_is_the_whole_history_sent_at_once(served):
                {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "second question"}]
     assert second.output_text == chat_text(served, history, 6)[0]
     assert sdk.responses.retrieve(second.id).output_text == second.output_text
+    listed = list(sdk.responses.input_items.list(first.id, limit=1, order="asc").data[0].content)
+    assert [part.type for part in listed] == ["input_image", "input_text"]
+    assert sdk.responses.input_items.list(second.id).data[0].content[0].text == "second question"
     sdk.responses.delete(first.id)
     with pytest.raises(Exception, match="not found"):
         sdk.responses.retrieve(first.id)

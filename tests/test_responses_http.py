@@ -14,7 +14,7 @@ import pytest
 from pipeline.processing.processor import Processor
 from pipeline.proxy.reasoning import reasoning_parser
 from pipeline.proxy.requests import ModelInfo
-from scripted_generator import serve_scripted
+from scripted_generator import FAILURE, serve_scripted
 from thinking_model import with_thinking
 from tool_templates import QWEN3_VL_TOOLS, with_template
 
@@ -26,6 +26,7 @@ OUTPUTS = {
     "tool": "Let me look. " + CALL,
     "think": "<think>\nThe user greets me.\n</think>\n\nHi!",
     "long": ("Cut off in the mid", "length"),
+    "fails": ("Half an ans", "error"),
 }
 TOOLS = [{"type": "function", "name": "get_weather", "description": "the weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
@@ -243,6 +244,25 @@ def test_a_length_cut_is_an_incomplete_response(model):
         assert (reply["status"], reply["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
         events = await stream(client, input="[long]", max_output_tokens=9)
         assert events[-1]["type"] == "response.completed" and events[-1]["response"]["status"] == "incomplete"
+    serve(model, scenario)
+
+
+def test_a_failure_partway_ends_the_stream_with_response_failed_and_nothing_is_stored(model):
+    async def scenario(client, generator):
+        whole = await create(client, 500, input="[fails]")
+        assert whole["error"]["message"] == FAILURE
+        events = await stream(client, input="[fails]")
+        kinds = [e["type"] for e in events]
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.failed"
+        assert "response.completed" not in kinds
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Half an ans"
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and failed["error"] == {"code": "server_error", "message": FAILURE}
+        assert texts(failed["output"]) == [("message", "Half an ans")]   # what was written, closed
+        assert failed["output"][0]["status"] == "incomplete" and kinds[-2] == "response.output_item.done"
+        assert (await client.get(f"{URL}/{failed['id']}")).status == 404
+        assert len(generator.requests) == 2   # a failure is an answer: nothing was sent again
+        assert texts((await create(client, input="[hello]"))["output"]) == [("message", "Hello there.")]
     serve(model, scenario)
 
 

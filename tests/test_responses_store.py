@@ -18,22 +18,22 @@ def response(rid: str, text: str = "x" * 100) -> dict:
 
 def test_the_oldest_go_first_and_a_used_one_stays():
     size = ResponseStore(1 << 20)
-    assert size.put(response("p"), [])   # every response here has this size
+    assert size.put(response("p"), [], [])   # every response here has this size
     store = ResponseStore(size.used * 3)
     for rid in ("a", "b", "c"):
-        assert store.put(response(rid), [])
+        assert store.put(response(rid), [], [])
     assert len(store) == 3 and store.used == size.used * 3
     assert store.get("a") is not None     # in use: now the newest
-    assert store.put(response("d"), [])   # b, the oldest, goes
+    assert store.put(response("d"), [], [])   # b, the oldest, goes
     assert store.get("b") is None and {r for r in "acd" if store.get(r)} == set("acd")
     assert store.pop("c").response["id"] == "c" and store.used == size.used * 2
-    assert store.put(response("a"), [])   # again: replaced, not counted twice
+    assert store.put(response("a"), [], [])   # again: replaced, not counted twice
     assert store.used == size.used * 2
 
 
 def test_one_larger_than_the_bound_is_not_kept():
     store = ResponseStore(200)
-    assert not store.put(response("big", "y" * 500), [])
+    assert not store.put(response("big", "y" * 500), [], [])
     assert len(store) == 0 and store.used == 0
     assert not ResponseStore(0).enabled
 

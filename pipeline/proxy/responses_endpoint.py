@@ -1,6 +1,7 @@
 """The Responses API's routes: `POST /v1/responses` (whole or streamed),
-`GET` and `DELETE /v1/responses/{id}`, and `POST /v1/responses/{id}/cancel`
-(no response here runs in the background, so there is nothing to cancel).
+`GET` and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`,
+and `POST /v1/responses/{id}/cancel` (no response here runs in the
+background, so there is nothing to cancel).
 
 A request is served as the chat request it reads as
 (responses_request.py), through the app's own serving: the same dispatch,
@@ -19,6 +20,7 @@ from pipeline.proxy.api_types import ApiError
 from pipeline.proxy.logprobs_format import chat_logprobs, entries_of
 from pipeline.proxy.requests import chat_work
 from pipeline.proxy.responses import ChatDeltas, error_response
+from pipeline.proxy.responses_input_items import input_items_of, input_items_page
 from pipeline.proxy.responses_output import (ResponseEvents, finished, new_id, output_of, reasoning_tokens,
                                              response_object)
 from pipeline.proxy.responses_request import chat_request, conversation_of, parse_responses_body, wants_logprobs
@@ -33,6 +35,7 @@ class ResponsesEndpoints:
         return [web.post("/v1/responses", self.create_response),
                 web.get("/v1/responses/{response_id}", self.get_response),
                 web.delete("/v1/responses/{response_id}", self.delete_response),
+                web.get("/v1/responses/{response_id}/input_items", self.list_input_items),
                 web.post("/v1/responses/{response_id}/cancel", self.cancel_response)]
 
     async def create_response(self, request: web.Request) -> web.StreamResponse:
@@ -57,6 +60,9 @@ class ResponsesEndpoints:
         stored = self._stored(request)
         self.responses.pop(stored.response["id"])
         return web.json_response({"id": stored.response["id"], "object": "response", "deleted": True})
+
+    async def list_input_items(self, request: web.Request) -> web.Response:
+        return web.json_response(input_items_page(self._stored(request).input_items, request.query))
 
     async def cancel_response(self, request: web.Request) -> web.Response:
         self._stored(request)
@@ -116,7 +122,7 @@ class ResponsesAnswer:
         deltas = ChatDeltas(self.tools, flight.work.reasoning)
         while True:
             if delta.error:
-                await _send(response, [events.failed(delta.error, delta.status or 500)])
+                await _send(response, events.failed(delta.error, delta.status or 500))
                 break
             entries = (chat_logprobs(self.app.token_names(flight), entries_of(delta))["content"]
                        if self.logprobs else None)
@@ -134,7 +140,8 @@ class ResponsesAnswer:
         """Store the answer with its conversation, if asked and it fits."""
         kept = False
         if self.req.store and self.app.responses.enabled:
-            kept = self.app.responses.put(body, self.turns + [_as_message(body["output"])])
+            kept = self.app.responses.put(body, self.turns + [_as_message(body["output"])],
+                                          input_items_of(self.req.input))
         body["store"] = kept
 
 

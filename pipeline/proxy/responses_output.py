@@ -169,10 +169,15 @@ class ResponseEvents:
         whole = finished(self.response, self.output, last, reasoning)
         return out + [self.event("response.completed", response=whole)], whole
 
-    def failed(self, message: str, status: int) -> dict:
+    def failed(self, message: str, status: int) -> list[dict]:
+        """The events that end a failed answer: the item being written closed
+        as incomplete (so every item added is done), then response.failed
+        with the output so far."""
         code = "server_error" if status >= 500 else "invalid_request"
-        return self.event("response.failed", response={**self.response, "status": "failed", "output": self.output,
-                                                      "error": {"code": code, "message": message}})
+        out = self._close("incomplete")
+        return out + [self.event("response.failed", response={**self.response, "status": "failed",
+                                                              "output": self.output,
+                                                              "error": {"code": code, "message": message}})]
 
     # ------------------------------------------------------------ the items
 
@@ -216,20 +221,21 @@ class ResponseEvents:
     def _where(self) -> dict:
         return {"item_id": self._open["id"], "output_index": len(self.output)}
 
-    def _close(self) -> list[dict]:
+    def _close(self, status: str = "completed") -> list[dict]:
         if self._open is None:
             return []
         item, where, text = self._open, self._where(), self._text
         if item["type"] == "function_call":
-            done = {**item, "arguments": text, "status": "completed"}
+            done = {**item, "arguments": text, "status": status}
             out = [self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=text)]
         elif item["type"] == "reasoning":
-            done = reasoning_item(item["id"], text)
+            done = reasoning_item(item["id"], text, status)
             part = {"type": "reasoning_text", "text": text}
             out = [self.event("response.reasoning_text.done", **where, content_index=0, text=text),
                    self.event("response.content_part.done", **where, content_index=0, part=part)]
         else:
-            done = self._message = message_item(item["id"], text, self._entries if self._logprobs else None)
+            done = self._message = message_item(item["id"], text, self._entries if self._logprobs else None,
+                                                status)
             out = [self.event("response.output_text.done", **where, content_index=0, text=text,
                               logprobs=list(self._entries)),
                    self.event("response.content_part.done", **where, content_index=0, part=done["content"][0])]

@@ -1,6 +1,7 @@
 """Stored responses (`store`, on by default as in OpenAI's API): each
-answer with the conversation that led to it, so that `previous_response_id`
-can go on from it and `GET /v1/responses/{id}` can read it back.
+answer with the conversation that led to it and its request's input items,
+so that `previous_response_id` can go on from it, `GET /v1/responses/{id}`
+can read it back and `GET /v1/responses/{id}/input_items` list its input.
 
 Kept in the proxy's memory, within a bound in bytes (`--responses-store-mb`;
 0 keeps none, and responses then say `"store": false`). The oldest go first
@@ -21,6 +22,7 @@ import msgspec
 class Stored:
     response: dict        # the response object as it was answered
     conversation: list    # chat messages up to and including its answer, without its instructions
+    input_items: list     # the request's input, as the listing returns it (responses_input_items.py)
     size: int
 
 
@@ -37,16 +39,16 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict, conversation: list) -> bool:
+    def put(self, response: dict, conversation: list, input_items: list) -> bool:
         """Whether it was kept (one larger than the whole store is not)."""
-        size = len(msgspec.json.encode(response)) + len(msgspec.json.encode(conversation))
+        size = sum(len(msgspec.json.encode(part)) for part in (response, conversation, input_items))
         if size > self.limit:
             return False
         self.pop(response["id"])
         while self.used + size > self.limit:
             _, oldest = self._entries.popitem(last=False)
             self.used -= oldest.size
-        self._entries[response["id"]] = Stored(response, conversation, size)
+        self._entries[response["id"]] = Stored(response, conversation, input_items, size)
         self.used += size
         return True
 
