@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config
 from pipeline.models.tiny import default_model_dir
 from pipeline.processing.chat_template import is_template_text
+from pipeline.processing.content_format import CONTENT_FORMATS
 from pipeline.processing.image_config import add_mm_processor_kwargs_flag
 from pipeline.processing.media_prompt import video_tokens_of
 from pipeline.processing.processor import Processor
@@ -63,6 +65,9 @@ def _add_answer_flags(p: argparse.ArgumentParser) -> None:
                         "one that takes tools for a checkpoint whose own does not")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="a request may bring its own chat_template (vLLM's flag; without it such a request is a 400)")
+    p.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
+                   help="how the chat template takes a message's content: openai (a list of parts), string (one "
+                   "string: parts flattened) or auto (openai if the template loops over content; vLLM's flag)")
     p.add_argument("--default-chat-template-kwargs", type=template_kwargs_arg, default={}, metavar="JSON",
                    help="template variables for every chat, e.g. '{\"enable_thinking\": false}'; a request's "
                    "chat_template_kwargs override them (vLLM's flag)")
@@ -201,7 +206,9 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       reasoning=reasoning_parser(args.reasoning_parser, processor.tokenizer),
                       max_logprobs=max_logprobs_of(args.max_logprobs, processor.tokenizer.vocab_size),
                       template_kwargs=args.default_chat_template_kwargs,
-                      tokens_as_ids=args.return_tokens_as_token_ids)
+                      tokens_as_ids=args.return_tokens_as_token_ids,
+                      content_format=args.chat_template_content_format)
+    _log_content_format(args.chat_template_content_format, processor.template)
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout,
@@ -214,6 +221,17 @@ def build_app(args: argparse.Namespace) -> web.Application:
                     prompt_tokens_details=args.enable_prompt_tokens_details,
                     force_usage=args.enable_force_include_usage,
                     responses_store_bytes=int(args.responses_store_mb * (1 << 20))).build()
+
+
+def _log_content_format(chosen: str, template) -> None:
+    """One line, as vLLM logs it: the content format chats render with."""
+    if chosen == "auto":
+        found = template.content_format()
+        logging.getLogger("epd.proxy").info(
+            "chat template content format: %s (detected; --chat-template-content-format overrides it)", found)
+    else:
+        logging.getLogger("epd.proxy").info("chat template content format: %s (--chat-template-content-format)",
+                                            chosen)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import msgspec
 import yaml
 
 from pipeline.models.reasoning_parsers import REASONING_PARSERS
+from pipeline.processing.content_format import CONTENT_FORMATS
 
 Mode = Literal["epd", "aggregated"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -27,6 +28,7 @@ EncoderPriority = Literal["normal", "below-normal"]
 EncodeFallback = Literal["off", "local"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 ReasoningParser = Literal[tuple(REASONING_PARSERS)]
+ContentFormat = Literal[CONTENT_FORMATS]
 ENCODE_FALLBACKS = typing.get_args(EncodeFallback)
 
 
@@ -87,6 +89,7 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     override_generation_config: dict[str, float | int] | None = None
     enable_prompt_tokens_details: bool | None = None
     trust_request_chat_template: bool | None = None
+    chat_template_content_format: ContentFormat | None = None
     return_tokens_as_token_ids: bool | None = None
     enable_force_include_usage: bool | None = None
     ssl_keyfile: str | None = None

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from pipeline.launch.vllm_fixed_flags import add_fixed_flags, check_fixed_flags
+from pipeline.processing.content_format import CONTENT_FORMATS
 from pipeline.proxy.api_types import template_kwargs_arg
 from pipeline.proxy.reasoning import PARSERS
 from pipeline.proxy.sampling_defaults import generation_overrides_arg
@@ -39,6 +40,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                        help="every stream ends with a usage chunk, whatever its stream_options")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="a request may bring its own chat_template (without it, such a request is a 400)")
+    group.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS,
+                       help="how the chat template takes a message's content: openai (parts), string (parts "
+                       "flattened) or auto (openai if the template loops over content, the default)")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="accepted: no checkpoint's own code is ever run here (the model code is this "
                        "package's), so there is nothing to trust")
@@ -84,8 +88,9 @@ def proxy_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
             out.append(("proxy", f"--{name.replace('_', '-')}"))
     if args.default_chat_template_kwargs is not None:
         out.append(("proxy", f"--default-chat-template-kwargs={json.dumps(args.default_chat_template_kwargs)}"))
-    if args.reasoning_parser is not None:
-        out.append(("proxy", f"--reasoning-parser={args.reasoning_parser}"))
+    for name in ("reasoning_parser", "chat_template_content_format"):
+        if getattr(args, name) is not None:
+            out.append(("proxy", f"--{name.replace('_', '-')}={getattr(args, name)}"))
     for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):   # absolute: the proxy runs in its own folder
         if getattr(args, name):
             out.append(("proxy", f"--{name.replace('_', '-')}={Path(getattr(args, name)).resolve()}"))

@@ -23,6 +23,7 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from pipeline.processing.content_format import loops_over_content
 from pipeline.processing.tokenizer import (
     TOKENIZER_CONFIG_FILE,
     named_special_tokens,
@@ -238,7 +239,9 @@ class ChatTemplate:
             raise ValueError(f"{origin}: chat template does not compile: {exc}") from exc
         self._sources = dict(templates)
         self._special_tokens = dict(special_tokens)
-        self._names = {name: _names_read(env.parse(source)) for name, source in templates.items()}
+        trees = {name: env.parse(source) for name, source in templates.items()}
+        self._names = {name: _names_read(tree) for name, tree in trees.items()}
+        self._takes_parts = {name: loops_over_content(tree) for name, tree in trees.items()}
 
     def replaced(self, source: str) -> ChatTemplate:
         """A template compiled from `source` with this one's special tokens (a
@@ -269,6 +272,12 @@ class ChatTemplate:
         not) ever reads `name`, as a variable or a field (`tools`,
         `tool_calls`, ...): if it never does, what it names is lost."""
         return name in self._names[self._pick([{}] if tools else None)]
+
+    def content_format(self, *, tools: bool = False) -> str:
+        """`openai` if the template that renders a conversation (with tools,
+        or not) loops over a message's content parts, else `string`
+        (content_format.py: what `--chat-template-content-format auto` picks)."""
+        return "openai" if self._takes_parts[self._pick([{}] if tools else None)] else "string"
 
     def _pick(self, tools: Sequence[Mapping] | None) -> str:
         if tools is not None and "tool_use" in self._compiled:

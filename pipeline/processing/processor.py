@@ -74,6 +74,16 @@ class Processor:
                    ImageProcessorConfig.from_checkpoint(model_dir, image_overrides), image_token_id, video,
                    video_config_of(model_dir, video))
 
+    def media_placeholder(self, kind: str) -> str:
+        """The text a chat template writes for one "image" or "video" part:
+        the placeholder token, inside the vision start and end tokens where
+        the model has them (for templates that take content as a string)."""
+        token = self.image_token_id if kind == "image" else self.video.video_token_id if self.video else None
+        if token is None:
+            raise ValueError("this model takes no video")
+        ids = [token] if self.video is None else [self.video.start_token_id, token, self.video.end_token_id]
+        return "".join(self.tokenizer.token_text(t) for t in ids)
+
     def image_grid(self, height: int, width: int) -> Grid:
         return image_grid_thw(height, width, self.image_config)
 

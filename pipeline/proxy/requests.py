@@ -15,6 +15,7 @@ from pipeline import protocol
 from pipeline.hashing import content_hash
 from pipeline.processing.chat_template import ChatTemplate
 from pipeline.processing.image import ImageDecodeError, check_source_size, read_image_size
+from pipeline.processing.content_format import flattened
 from pipeline.processing.processor import MultimodalPrompt, Processor
 from pipeline.processing.video import VideoOptions
 from pipeline.proxy.api_types import (
@@ -55,6 +56,8 @@ class ModelInfo:
     tokens_as_ids: bool = False   # --return-tokens-as-token-ids: the default of the request field
     # --default-chat-template-kwargs: template variables for every chat, under the request's own.
     template_kwargs: dict = field(default_factory=dict)
+    # --chat-template-content-format: how templates take a message's content (content_format.py).
+    content_format: str = "auto"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -78,6 +81,15 @@ class ModelInfo:
             return self.processor.template.replaced(source)
         except ValueError as exc:
             raise ApiError(str(exc), param="chat_template") from None
+
+    def content_for(self, template: ChatTemplate, messages: list[dict], tools: bool) -> list[dict]:
+        """Messages as `template` takes their content: parts, or each list
+        flattened to one string (--chat-template-content-format; auto asks
+        the template)."""
+        chosen = self.content_format
+        if chosen == "auto":
+            chosen = template.content_format(tools=tools)
+        return flattened(messages, self.processor.media_placeholder) if chosen == "string" else messages
 
     def template_kwargs_for(self, asked: dict | None) -> dict:
         """A chat's template variables: the server's defaults, then the request's chat_template_kwargs."""
@@ -113,6 +125,7 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     messages, media = plain_messages(req.messages)
     template = model.template_for(req.chat_template)
     check_template_takes(template, tools, messages, req.documents)
+    messages = model.content_for(template, messages, tools.template_tools is not None)
     grammar = forced_grammar(tools, model.tag_tokens) if tools.forced else ""
     if len(media) > model.max_images:
         raise ApiError(f"too many images and videos: {len(media)} (at most {model.max_images} per request)",

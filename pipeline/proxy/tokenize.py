@@ -59,6 +59,7 @@ def tokenize_handler(model: ModelInfo):
             tools = tool_request(req)
             template = model.template_for(req.chat_template)
             check_template_takes(template, tools, messages)
+            messages = model.content_for(template, messages, tools.template_tools is not None)
             try:
                 text = template.render(messages, add_generation_prompt=req.add_generation_prompt,
                                                        tools=tools.template_tools,
