@@ -39,6 +39,25 @@ def at_least_one(text: str, unit: str, alternative: str = "") -> int:
     return value
 
 
+_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kmgtKMGT]?)$")
+_DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def human_readable_int(text: str) -> int:
+    """An argparse `type`: a whole number as vLLM's flags take one, plain or
+    with a multiplier: k, m, g, t decimal (25.6k = 25600), K, M, G, T binary
+    (1K = 1024)."""
+    match = _HUMAN_INT.match(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: want a whole number, e.g. 4096, 32k or 1G")
+    number, unit = match.groups()
+    scale = _DECIMAL[unit] if unit.islower() or not unit else 1 << (10 * " KMGT".index(unit))
+    value = float(number) * scale
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
+
+
 def image_sizes(text: str) -> list[tuple[int, int]]:
     """An argparse `type`: "640x480,1280x720" -> [(640, 480), (1280, 720)] as (width, height)."""
     sizes = []

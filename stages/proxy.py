@@ -106,6 +106,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
     p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load counts the generation requests in flight (vLLM's flag; 0 without it)")
     p.add_argument("--mode", choices=("epd", "aggregated"), default="epd")
     p.add_argument("--encoders", action="append", default=[], help="encoder inbox(es); repeatable or comma-separated")
     p.add_argument("--generators", action="append", default=[], help="generator inbox(es)")
@@ -220,7 +222,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
     return ProxyApp(dispatcher, model, policy, args.drain_timeout, access,
                     prompt_tokens_details=args.enable_prompt_tokens_details,
                     force_usage=args.enable_force_include_usage,
-                    responses_store_bytes=int(args.responses_store_mb * (1 << 20))).build()
+                    responses_store_bytes=int(args.responses_store_mb * (1 << 20)),
+                    load_tracking=args.enable_server_load_tracking).build()
 
 
 def _log_content_format(chosen: str, template) -> None:

@@ -25,12 +25,14 @@ class ScriptedGenerator:
     one delta per `piece` characters. An output is its text, or (its text,
     the finish reason) where it ends otherwise than "stop"; finish reason
     "error" sends the text, then a failure (as a generator whose request
-    failed partway: a 500 with FAILURE as its message)."""
+    failed partway: a 500 with FAILURE as its message); "held" waits for
+    `release` to be set, then answers as "stop" does."""
 
     def __init__(self, ctx, address: str, tokenizer, piece: int, outputs: dict[str, str]) -> None:
         self.address, self.tokenizer, self.piece, self.outputs = address, tokenizer, piece, outputs
         self.inbox, self.outbox = transport.Inbox(ctx, address), transport.Outbox(ctx)
         self.requests: list[protocol.GenerateRequest] = []
+        self.release = asyncio.Event()
 
     def start(self) -> None:
         self.inbox.listen(self.on_message)
@@ -46,6 +48,9 @@ class ScriptedGenerator:
         prompt = self.tokenizer.decode(request.prompt_token_ids)
         text = next(out for key, out in self.outputs.items() if f"[{key}]" in prompt)
         text, finish = text if isinstance(text, tuple) else (text, "stop")
+        if finish == "held":
+            await self.release.wait()
+            finish = "stop"
         pieces = [text[i:i + self.piece] for i in range(0, len(text), self.piece)]
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1 and finish != "error"

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from pipeline import transport
-from pipeline.arg_parser import OneLineParser, image_size
+from pipeline.arg_parser import OneLineParser, human_readable_int, image_size
 from pipeline.launch.auto_placement import PlanWorkload, choose_placement
 from pipeline.launch.config import ENCODE_FALLBACKS, ConfigError, dump_config, expand_config, settings_of
 from pipeline.launch.placement import PLACEMENTS, describe
@@ -29,8 +29,8 @@ from pipeline.logs import FORMATS, LEVELS
 from pipeline.processing.chat_template import is_template_text
 from pipeline.processing.image_config import mm_processor_kwargs_arg
 from pipeline.models.shape_configs import SHAPES  # torch-free
-from pipeline.models.hub_cache import model_dir_arg
-from pipeline.launch.vllm_flags import add_vllm_flags, check_vllm_flags, proxy_flags
+from pipeline.models.hub_cache import resolve_model
+from pipeline.launch.vllm_flags import add_vllm_flags, check_vllm_flags, vllm_stage_flags
 
 # vllm serve's --block-size choices (the generators take any size; scripts/gpu_block_size_check.py
 # checks the GPU kernels at each of these).
@@ -58,11 +58,11 @@ def build_parser() -> OneLineParser:
     p.add_argument("--encoders", type=int, metavar="N",
                    help="encoder processes (default: 1; 0 with --mode aggregated)")
     p.add_argument("--generators", type=int, default=1, metavar="M", help="generator processes")
-    p.add_argument("model_tag", nargs="?", type=model_dir_arg, metavar="MODEL",
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
                    help="as in `vllm serve MODEL`: the same as --model")
-    p.add_argument("--model", type=model_dir_arg, metavar="DIR|ID",
+    p.add_argument("--model", metavar="DIR|ID",
                    help="checkpoint folder, or a Hugging Face repo id already in the local cache "
-                   "(default: the built-in tiny model)")
+                   "(default: the built-in tiny model; a repo id is resolved with --revision and --download-dir)")
     p.add_argument("--random-weights", metavar="SHAPE",
                    help=f"serve random weights of a named model shape ({', '.join(SHAPES)}), made on each "
                    "stage's device, with a synthetic tokenizer; instead of --model")
@@ -137,6 +137,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"the model is given twice, as {args.model_tag} and as --model {args.model}")
         args.model = args.model_tag
     del args.model_tag
+    if args.model is not None:   # after parsing: --revision and --download-dir say which snapshot, and where
+        try:
+            args.model = resolve_model(args.model, args.revision, args.download_dir)
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"argument --model: {exc}")
     if args.dtype == "auto":
         args.dtype = None
     if args.encoders is None:
@@ -167,7 +172,8 @@ def _add_engine_and_api_flags(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                         help="share of each GPU a generator may use (default 0.9 alone, split where stages share)")
     engine.add_argument("--max-num-seqs", type=int, metavar="N", help="requests a generator runs at once")
-    engine.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens a step may compute")
+    engine.add_argument("--max-num-batched-tokens", type=human_readable_int, metavar="N",
+                        help="tokens a step may compute (4096, 8k, ...)")
     engine.add_argument("--block-size", type=int, choices=BLOCK_SIZES, metavar="N",
                         help=f"tokens per KV cache block, one of {', '.join(map(str, BLOCK_SIZES))} (default: 16)")
     engine.add_argument("--enforce-eager", action="store_true",
@@ -182,8 +188,9 @@ def _add_engine_and_api_flags(p: argparse.ArgumentParser) -> None:
                         "generators and the proxy; default: 20)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         help="reuse the KV of prompts' common starts, images included (default: on)")
-    engine.add_argument("--max-model-len", type=int, metavar="N",
-                        help="prompt plus output tokens a request may have (the proxy refuses more, and a generator "
+    engine.add_argument("--max-model-len", type=human_readable_int, metavar="N",
+                        help="prompt plus output tokens a request may have, e.g. 32k (the proxy refuses more, and a "
+                        "generator "
                         "whose KV cache cannot hold one such request does not start; default: the checkpoint's)")
     engine.add_argument("--limit-mm-per-prompt", type=_mm_limits, metavar="JSON",
                         help='e.g. \'{"image": 4, "video": 1}\': the proxy refuses a request with more media; '
@@ -281,7 +288,7 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
     if args.mm_processor_kwargs is not None:   # the same everywhere, or a prompt's image tokens disagree
         value = json.dumps(args.mm_processor_kwargs)
         out += [(role, f"--mm-processor-kwargs={value}") for role in ("proxy", "encoder", "generator")]
-    out += proxy_flags(args)
+    out += vllm_stage_flags(args)
     if args.served_model_name:   # nargs="+" on the proxy: one flag, then every name
         out += [("proxy", "--served-model-name"), *(("proxy", name) for name in args.served_model_name)]
     if args.api_key:

@@ -17,6 +17,8 @@ import msgspec
 import yaml
 
 from pipeline.models.reasoning_parsers import REASONING_PARSERS
+from pipeline.launch.vllm_other_flags import ALL as OTHER_FLAGS
+from pipeline.launch.vllm_other_flags import SWITCH, dest_of
 from pipeline.processing.content_format import CONTENT_FORMATS
 
 Mode = Literal["epd", "aggregated"]
@@ -36,8 +38,9 @@ class ConfigError(ValueError):
     """A config file that cannot be used; the message names the key."""
 
 
-class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_defaults=True):
-    """Every key a config file may have: the flags of `epd-launch --help`."""
+class _LaunchKeys(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omit_defaults=True):
+    """Every key a config file may have: the flags of `epd-launch --help`
+    (LaunchFile adds those of vllm_other_flags.py's tables)."""
 
     encoders: int | None = None
     generators: int | None = None
@@ -117,6 +120,31 @@ class LaunchFile(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", omi
     ready_timeout: float | None = None
     drain_timeout: float | None = None
     stop_timeout: float | None = None
+    allowed_methods: list[str] | None = None
+    allowed_headers: list[str] | None = None
+    allow_credentials: bool | None = None
+    enable_server_load_tracking: bool | None = None
+    kv_cache_memory_bytes: int | str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    structured_outputs_config: dict[str, str] | None = None
+    cpu_offload_gb: float | None = None
+    api_server_count: int | None = None
+    tokenizer_mode: str | None = None
+    model_impl: str | None = None
+    config_format: str | None = None
+    logprobs_mode: str | None = None
+    distributed_executor_backend: str | None = None
+    response_role: str | None = None
+    guided_decoding_backend: str | None = None
+
+
+# The table-driven flags' keys (accepted as they are, or refused by name when
+# the file becomes flags): a switch's true, or the one value as written.
+LaunchFile = msgspec.defstruct(
+    "LaunchFile", [(dest_of(flag), (bool if takes == SWITCH else str | int | float) | None, None)
+                   for flag, takes, _ in OTHER_FLAGS],
+    bases=(_LaunchKeys,), module=__name__)
 
 
 def load_config(path: Path) -> LaunchFile:
@@ -172,7 +200,7 @@ def as_flags(config: LaunchFile) -> list[str]:
         elif field == "gpus":
             flags.append(f"{flag}={','.join(str(g) for g in value)}")
         elif field in ("allowed_origins", "limit_mm_per_prompt", "mm_processor_kwargs", "default_chat_template_kwargs",
-                       "override_generation_config"):
+                       "override_generation_config", "allowed_methods", "allowed_headers", "structured_outputs_config"):
             flags.append(f"{flag}={json.dumps(value)}")
         else:
             flags.append(f"{flag}={value}")
@@ -208,7 +236,7 @@ def settings_of(parser, args) -> dict:
             value = [f"{role}={arg}" for role, arg in value]
         elif field == "image_size":
             value = f"{value[0]}x{value[1]}"
-        elif field == "allowed_origins":
+        elif field in ("allowed_origins", "allowed_methods", "allowed_headers"):
             value = json.loads(value)
         elif isinstance(value, tuple):
             value = list(value)

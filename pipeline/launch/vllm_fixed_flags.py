@@ -17,6 +17,18 @@ FIXED = (
      "--generators N"),
     ("--kv-cache-dtype", None, str, ("auto",), "the KV cache is kept in the model's dtype"),
     ("--load-format", None, str, ("auto", "safetensors"), "checkpoints are read from their safetensors files"),
+    ("--cpu-offload-gb", None, float, (0,), "weights stay on their stage's GPU"),
+    ("--api-server-count", None, int, (1,), "one proxy process serves the API"),
+    ("--tokenizer-mode", None, str, ("auto", "hf"), "the tokenizer is the checkpoint's tokenizer.json, read by the "
+     "tokenizers library"),
+    ("--model-impl", None, str, ("auto",), "the model code is this package's own"),
+    ("--config-format", None, str, ("auto", "hf"), "checkpoints are read from their Hugging Face config.json"),
+    ("--logprobs-mode", None, str, ("raw_logprobs",), "logprobs are the model's own distribution, before any "
+     "sampling option changes it"),
+    ("--distributed-executor-backend", None, str, ("mp", "uni"), "each generator is one process on one GPU"),
+    ("--response-role", None, str, ("assistant",), "chat answers are the assistant's turn"),
+    ("--guided-decoding-backend", None, str, ("auto", "guidance"), "grammars are enforced by llguidance (vLLM's "
+     "guidance backend)"),
 )
 
 

@@ -9,7 +9,9 @@ import argparse
 import json
 from pathlib import Path
 
+from pipeline.arg_parser import human_readable_int, json_object
 from pipeline.launch.vllm_fixed_flags import add_fixed_flags, check_fixed_flags
+from pipeline.launch.vllm_other_flags import add_other_flags, check_other_flags
 from pipeline.processing.content_format import CONTENT_FORMATS
 from pipeline.proxy.api_types import template_kwargs_arg
 from pipeline.proxy.reasoning import PARSERS
@@ -19,6 +21,8 @@ from pipeline.proxy.tls import add_tls_flags, check_tls_flags
 # The tool-call format the proxy parses (pipeline/proxy/tool_parser.py): Hermes's
 # <tool_call> blocks, what vLLM's hermes parser reads.
 TOOL_CALL_PARSERS = ("hermes",)
+# vLLM's structured output backends that name what enforces grammars here: llguidance.
+GRAMMAR_BACKENDS = ("auto", "guidance")
 
 
 def add_vllm_flags(p: argparse.ArgumentParser) -> None:
@@ -58,12 +62,52 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                        help="chat answers carry the reasoning of a thinking model apart from the content "
                        "(in `reasoning`); structured output holds only the content")
     add_tls_flags(group)   # HTTPS, passed to the proxy (pipeline/proxy/tls.py)
+    group.add_argument("--allowed-methods", type=_json_list, metavar="JSON",
+                       help='CORS methods, a JSON list (default: ["*"])')
+    group.add_argument("--allowed-headers", type=_json_list, metavar="JSON",
+                       help='CORS headers, a JSON list (default: ["*"])')
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    group.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="GET /load counts the API requests in flight (0 without this flag)")
+    group.add_argument("--kv-cache-memory-bytes", type=human_readable_int, metavar="N",
+                       help="each generator's KV cache size in bytes (e.g. 8G), instead of sizing it from "
+                       "--gpu-memory-utilization")
+    group.add_argument("--revision", metavar="REV",
+                       help="a repo id's snapshot: a branch, tag or commit in the cache (default: main)")
+    group.add_argument("--download-dir", metavar="DIR",
+                       help="the Hugging Face cache folder to find a repo id in (nothing is downloaded)")
+    group.add_argument("--structured-outputs-config", type=_grammar_config, metavar="JSON",
+                       help=f"accepted with backend {' or '.join(GRAMMAR_BACKENDS)} only: grammars are enforced "
+                       "by llguidance")
+    add_other_flags(p)
+
+
+def _json_list(text: str) -> str:
+    """The text of a JSON list of strings, checked here and passed on as it is."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings, e.g. \'["GET", "POST"]\', got {text!r}')
+    return text
+
+
+def _grammar_config(text: str) -> dict:
+    value = json_object(text, '{"backend": "guidance"}')
+    if set(value) - {"backend"} or value.get("backend", "auto") not in GRAMMAR_BACKENDS:
+        raise argparse.ArgumentTypeError(f"{text}: only {{\"backend\": \"auto\"}} or \"guidance\" holds here "
+                                         "(grammars are enforced by llguidance; request fields set the rest)")
+    return value
 
 
 def check_vllm_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """p.error, naming the flag, for a value whose meaning does not hold here."""
     check_fixed_flags(p, args)
+    check_other_flags(p, args)
     check_tls_flags(p, args)
+    if args.kv_cache_memory_bytes is not None and args.kv_cache_memory_bytes < 1 << 20:
+        p.error(f"--kv-cache-memory-bytes {args.kv_cache_memory_bytes}: want at least 1 MiB (1M)")
     if args.ssl_cert_reqs == 2:
         p.error("--ssl-cert-reqs 2: the launcher's own /health check has no client certificate; "
                 "use 1 (a certificate sent is checked) or start stages.proxy yourself")
@@ -72,9 +116,14 @@ def check_vllm_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
                 f"{' or '.join(TOOL_CALL_PARSERS)} tool calls only")
 
 
-def proxy_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(role, flag) for the ones the proxy acts on."""
+def vllm_stage_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(role, flag) for the ones the proxy or the generators act on."""
     out = []
+    if args.kv_cache_memory_bytes is not None:   # whole MiB: the generators' unit
+        out.append(("generator", f"--kv-cache-mib={args.kv_cache_memory_bytes >> 20}"))
+    for name in ("allowed_methods", "allowed_headers"):
+        if getattr(args, name) is not None:
+            out.append(("proxy", f"--{name.replace('_', '-')}={getattr(args, name)}"))
     if args.generation_config is not None:
         out.append(("proxy", f"--generation-config={args.generation_config}"))
     if args.override_generation_config is not None:
@@ -83,7 +132,8 @@ def proxy_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
         out.append(("proxy", f"--allowed-local-media-path={args.allowed_local_media_path}"))
     if args.enable_prompt_tokens_details:
         out.append(("proxy", "--enable-prompt-tokens-details"))
-    for name in ("trust_request_chat_template", "return_tokens_as_token_ids", "enable_force_include_usage"):
+    for name in ("trust_request_chat_template", "return_tokens_as_token_ids", "enable_force_include_usage",
+                 "allow_credentials", "enable_server_load_tracking"):
         if getattr(args, name):
             out.append(("proxy", f"--{name.replace('_', '-')}"))
     if args.default_chat_template_kwargs is not None:

@@ -38,14 +38,18 @@ CLIENT_GONE = object()   # put in a request's delta queue when its client hung u
 DRAIN_POLL_S = 0.05      # how often a stopping proxy looks whether its requests are done
 
 log = logging.getLogger("epd.proxy")
+# The routes whose requests /load counts (vLLM's: those that run the model).
+LOADED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/invocations")
 
 
 class ProxyApp(ManyChoices, ResponsesEndpoints):
     def __init__(self, dispatcher: Dispatcher, model: ModelInfo, policy: FetchPolicy,
                  drain_timeout: float = 30.0, access: AccessPolicy = AccessPolicy(),
                  prompt_tokens_details: bool = False, force_usage: bool = False,
-                 responses_store_bytes: int = 64 << 20) -> None:
+                 responses_store_bytes: int = 64 << 20, load_tracking: bool = False) -> None:
         self.dispatcher = dispatcher
+        self.load_tracking = load_tracking   # --enable-server-load-tracking: /load counts generation requests
+        self.server_load = 0
         self.prompt_tokens_details = prompt_tokens_details   # usage names the prompt's cached tokens (vLLM's flag)
         self.force_usage = force_usage   # every stream ends with its usage (--enable-force-include-usage)
         self.responses = ResponseStore(responses_store_bytes)   # the Responses API's stored answers
@@ -70,6 +74,7 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
                         web.get("/ping", self.health), web.post("/ping", self.health),
                         web.post("/invocations", self.invocations),
                         web.get("/metrics", self.metrics_page), web.get("/version", version_page),
+                        web.get("/load", self.load),
                         web.post("/tokenize", tokenize_handler(self.model)),
                         web.post("/detokenize", detokenize_handler(self.model)), *self.responses_routes()])
         add_cors(app, self.access)
@@ -120,6 +125,8 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
         """Around every request: counted while handled (the drain waits for
         them), and an ApiError becomes its OpenAI-style JSON response."""
         self.handling += 1
+        load = self.load_tracking and request.method == "POST" and request.path.startswith(LOADED_PATHS)
+        self.server_load += load
         try:
             return await handler(request)
         except ApiError as exc:
@@ -128,6 +135,7 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
             return web.json_response(exc.body(), status=exc.status, headers=headers)
         finally:
             self.handling -= 1
+            self.server_load -= load
 
     # ------------------------------------------------------------ endpoints
 
@@ -175,6 +183,11 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
             return web.json_response({"status": "ok"})
         down = [a for a in self.dispatcher.generators + self.dispatcher.encoders if not self.dispatcher.up(a)]
         return web.json_response({"status": "unavailable", "down": down}, status=503)
+
+    async def load(self, request: web.Request) -> web.Response:
+        """vLLM's /load: the generation requests being handled, with
+        --enable-server-load-tracking (0 without it, as vLLM answers)."""
+        return web.json_response({"server_load": self.server_load})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain")
