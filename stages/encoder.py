@@ -21,12 +21,13 @@ import torch
 import zmq
 import zmq.asyncio
 
-from pipeline import transport
+from pipeline import protocol, transport
 from pipeline.arena.store import ArenaStore
 from pipeline.arg_parser import OneLineParser
 from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.encoder.service import EncoderService, EncoderSettings
 from pipeline.logs import add_log_flags, setup_logging
+from pipeline.launcher_watch import LauncherWatch, remove_own_socket, until_nobody_left
 from pipeline.media.registry import create_backend, create_video_backend
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config, resolve_device
@@ -108,6 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
         inbox.close()
         outbox.close()
         ctx.term()
+        remove_own_socket(LauncherWatch(), args.address)
 
 
 async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: transport.Outbox,
@@ -145,7 +147,8 @@ async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: trans
         service.handle_hello(address)
     log.info("encoder %s ready on %s (device %s, media %s, video %s, arena %d MiB, %d CPU threads)",
              args.instance, args.address, device, media.name, video_media.name, arena_mib, torch.get_num_threads())
-    await _until_stopped(service.run(), _receive(inbox, service))
+    watch = LauncherWatch()   # stop once the launcher and every proxy are gone
+    await _until_stopped(service.run(), _receive(inbox, service, watch), until_nobody_left(watch, "encoder"))
 
 
 def prefill_hold(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> PrefillHold | None:
@@ -158,9 +161,11 @@ def prefill_hold(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> Pre
     return hold
 
 
-async def _receive(inbox: transport.Inbox, service: EncoderService) -> None:
+async def _receive(inbox: transport.Inbox, service: EncoderService, watch: LauncherWatch) -> None:
     while True:
         message = await inbox.recv()
+        if isinstance(message, protocol.StatsRequest):
+            watch.asked()
         try:
             service.handle(message)
         except Exception:   # one peer's odd message must not stop the encoder for every other
@@ -168,7 +173,7 @@ async def _receive(inbox: transport.Inbox, service: EncoderService) -> None:
 
 
 async def _until_stopped(*work) -> None:
-    """Run until SIGTERM/SIGINT or until any task fails."""
+    """Run until SIGTERM/SIGINT, until any task fails, or until one (the launcher watch) returns."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

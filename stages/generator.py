@@ -39,6 +39,7 @@ from pipeline.generator.media_budget import HeldBytes
 from pipeline.generator.service import GeneratorService
 from pipeline.incarnations import Incarnations
 from pipeline.logs import add_log_flags, setup_logging
+from pipeline.launcher_watch import LauncherWatch, remove_own_socket
 from pipeline.media.registry import create_backend, create_video_backend
 from pipeline.media.video_backend import VideoClip
 from pipeline.media.video_probe import VideoDecodeError
@@ -308,8 +309,13 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
     # by then is its predecessor's.
     askers = Incarnations()
     skips, budget = DecodeSkips(), HeldBytes(media_budget)
+    watch = LauncherWatch()   # stop once the launcher and every proxy are gone
     with ThreadPoolExecutor(decode_workers, "media-decode") as decoder:
         while not stop.is_set():
+            if watch.nobody_left():
+                watch.log_stopping("generator")
+                stop.set()
+                break
             if not poller.poll(100):
                 continue
             frame = sock.recv(copy=False)
@@ -319,6 +325,7 @@ def receive(sock: zmq.Socket, inbound: queue.SimpleQueue, stop: threading.Event,
                 log.warning("dropped a frame that is not a declared message")
                 continue
             if isinstance(message, protocol.StatsRequest):
+                watch.asked()
                 replies.try_send(message.reply_to, service.latest_stats)
                 if askers.restarted(message.reply_to, message.incarnation):
                     inbound.put(AskerRestarted(message.reply_to))
@@ -386,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         receiver.join(timeout=2)
         replies.close()
         inbox.close()
+        remove_own_socket(LauncherWatch(), args.address)
         outbox.close()
         ctx.term()
     return 1 if deaf.is_set() else 0

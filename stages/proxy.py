@@ -9,6 +9,7 @@ connections and gives the requests in flight --drain-timeout to finish.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from pipeline.logs import add_log_flags, setup_logging
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config
 from pipeline.models.tiny import default_model_dir
+from pipeline.launcher_watch import LauncherWatch, drain_when_launcher_gone, remove_own_socket
 from pipeline.processing.chat_template import is_template_text
 from pipeline.processing.content_format import CONTENT_FORMATS
 from pipeline.processing.image_config import add_mm_processor_kwargs_flag
@@ -219,11 +221,22 @@ def build_app(args: argparse.Namespace) -> web.Application:
                          args.media_fetch_timeout, tuple(d.lower() for d in args.allowed_media_domains))
     access = AccessPolicy(args.api_key or None, args.api_key_all_routes, args.allowed_origins,
                           args.allowed_methods, args.allowed_headers, args.allow_credentials)
-    return ProxyApp(dispatcher, model, policy, args.drain_timeout, access,
-                    prompt_tokens_details=args.enable_prompt_tokens_details,
-                    force_usage=args.enable_force_include_usage,
-                    responses_store_bytes=int(args.responses_store_mb * (1 << 20)),
-                    load_tracking=args.enable_server_load_tracking).build()
+    app = ProxyApp(dispatcher, model, policy, args.drain_timeout, access,
+                   prompt_tokens_details=args.enable_prompt_tokens_details,
+                   force_usage=args.enable_force_include_usage,
+                   responses_store_bytes=int(args.responses_store_mb * (1 << 20)),
+                   load_tracking=args.enable_server_load_tracking).build()
+    app.cleanup_ctx.append(lambda app: _launcher_watch(address))
+    return app
+
+
+async def _launcher_watch(address: str):
+    """While the proxy runs: drain and exit if the launcher that started it dies."""
+    watch = LauncherWatch()
+    task = asyncio.create_task(drain_when_launcher_gone(watch))
+    yield
+    task.cancel()
+    remove_own_socket(watch, address)
 
 
 def _log_content_format(chosen: str, template) -> None:

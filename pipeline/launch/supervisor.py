@@ -32,6 +32,7 @@ from pipeline.arena.shm import remove_stale_segments
 from pipeline.launch.mps import MpsConfig, MpsDaemon, MpsError
 from pipeline.launch.plan import StageSpec, prefill_signal_file
 from pipeline.launch.sd_notify import Notifier
+from pipeline.launcher_watch import LAUNCHER_PID_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESTART_WINDOW_S = 60.0
@@ -300,6 +301,8 @@ def _child_env(overrides: Mapping[str, str]) -> dict[str, str]:
         env.pop(name, None)   # systemd hears from the launcher alone
     # Lines reach the prefixing pump as they are printed, not at exit.
     env["PYTHONUNBUFFERED"] = "1"
+    # A stage that outlives this launcher (killed) drains and stops (pipeline/launcher_watch.py).
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
     # `python -m stages.<role>` must resolve from any working directory.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     return env
