@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -212,7 +211,6 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       template_kwargs=args.default_chat_template_kwargs,
                       tokens_as_ids=args.return_tokens_as_token_ids,
                       content_format=args.chat_template_content_format)
-    _log_content_format(args.chat_template_content_format, processor.template)
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout,
@@ -237,17 +235,6 @@ async def _launcher_watch(address: str):
     yield
     task.cancel()
     remove_own_socket(watch, address)
-
-
-def _log_content_format(chosen: str, template) -> None:
-    """One line, as vLLM logs it: the content format chats render with."""
-    if chosen == "auto":
-        found = template.content_format()
-        logging.getLogger("epd.proxy").info(
-            "chat template content format: %s (detected; --chat-template-content-format overrides it)", found)
-    else:
-        logging.getLogger("epd.proxy").info("chat template content format: %s (--chat-template-content-format)",
-                                            chosen)
 
 
 def main(argv: list[str] | None = None) -> int:

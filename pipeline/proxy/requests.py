@@ -5,6 +5,8 @@ sampling settings, check the context length."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -36,6 +38,8 @@ from pipeline.proxy.structured import grammar_of
 from pipeline.proxy.tools import ToolRequest, forced_grammar, tag_tokens_of, template_tool_calls, tool_request
 from pipeline.proxy.video_items import VideoLimits, checked_plan, video_key, video_options
 from pipeline.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+
+log = logging.getLogger("epd.proxy")
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class ModelInfo:
         chosen = self.content_format
         if chosen == "auto":
             chosen = template.content_format(tools=tools)
+            _log_detected(template.source, chosen)
         return flattened(messages, self.processor.media_placeholder) if chosen == "string" else messages
 
     def template_kwargs_for(self, asked: dict | None) -> dict:
@@ -103,6 +108,13 @@ class ModelInfo:
         if name not in self.names:
             raise ApiError(f"The model `{name}` does not exist.", status=404, param="model")
         return name
+
+
+@functools.lru_cache(maxsize=64)
+def _log_detected(source: str, chosen: str) -> None:
+    """Once per template, as vLLM logs it: the content format auto found."""
+    log.info("detected the chat template's content format to be %r (--chat-template-content-format overrides it)",
+             chosen)
 
 
 async def fetch_all(media: list[tuple[str, str]], policy: FetchPolicy, session=None) -> list[bytes]:
