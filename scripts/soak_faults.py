@@ -4,8 +4,9 @@ by its recovery (the stage back, the proxy's /health 200) before the next.
 - kill_encoder / kill_generator: SIGKILL one of the role's processes (not
   its first instance, where it has more: that one serves the whole run, so
   a leak has ten minutes to show); the launcher starts a new process;
-- stop_generator: SIGSTOP for a few seconds (drawn: either side of the
-  proxy's 3 s down timeout), then SIGCONT;
+- stop_generator / stop_encoder: SIGSTOP for a few seconds (drawn: either
+  side of the proxy's 3 s down timeout), then SIGCONT: a stage that hangs
+  and comes back;
 - restart_proxy: SIGTERM; the proxy drains what it holds and exits, the
   launcher starts a new one, and the port refuses connections meanwhile.
 """
@@ -24,9 +25,9 @@ import numpy as np
 
 from soak_stack import Stages, signal_stage
 
-KINDS = ("kill_encoder", "kill_generator", "stop_generator", "restart_proxy")
+KINDS = ("kill_encoder", "kill_generator", "stop_generator", "stop_encoder", "restart_proxy")
 GENERATOR_KINDS = ("kill_generator", "stop_generator")
-STOP_S = (2.0, 6.0)          # how long a generator stays stopped
+STOP_S = (2.0, 6.0)          # how long a stopped stage stays stopped
 RECOVER_WITHIN_S = 90.0      # a fault the stack has not recovered from by then is a violation
 # No fault starts later than the warm-up plus this before the load ends: the
 # stage it restarts gets a warm-up of its own and an RSS series to judge.
@@ -41,7 +42,7 @@ class Fault:
     at_s: float                        # when the signal went, seconds after t0
     recovered_s: float | None = None   # when the stack was whole again (None: it was not)
     new_pid: int | None = None
-    stopped_s: float | None = None     # stop_generator: how long
+    stopped_s: float | None = None     # stop_*: how long
 
     @property
     def touches_generator(self) -> bool:
@@ -88,7 +89,7 @@ class FaultPlan:
             self.stopped = None
 
     async def _inject(self, kind: str) -> tuple[Fault, int] | None:
-        role = {"kill_encoder": "encoder", "restart_proxy": "proxy"}.get(kind, "generator")
+        role = "encoder" if kind.endswith("_encoder") else "proxy" if kind == "restart_proxy" else "generator"
         instances = self.stages.instances(role)
         if kind.startswith("kill_") and len(instances) > 1:
             instances = instances[1:]   # the first lives through the run: its RSS is the long series
@@ -96,14 +97,14 @@ class FaultPlan:
             return None
         instance = instances[int(self.rng.integers(len(instances)))]
         pid = self.stages.pid(instance)
-        sig = {"kill_encoder": signal.SIGKILL, "kill_generator": signal.SIGKILL,
-               "stop_generator": signal.SIGSTOP, "restart_proxy": signal.SIGTERM}[kind]
+        sig = {"kill_encoder": signal.SIGKILL, "kill_generator": signal.SIGKILL, "stop_generator": signal.SIGSTOP,
+               "stop_encoder": signal.SIGSTOP, "restart_proxy": signal.SIGTERM}[kind]
         if pid is None or not signal_stage(pid, sig, self.mark):
             return None
         heard = self._restarts_heard(instance)
         fault = Fault(kind, instance, pid, round(self._now(), 2))
         print(f"soak: {fault.at_s:7.1f} s  {kind} {instance} (pid {pid})", flush=True)
-        if kind == "stop_generator":
+        if kind.startswith("stop_"):
             self.stopped = pid
             fault.stopped_s = round(float(self.rng.uniform(*STOP_S)), 2)
             try:
@@ -118,7 +119,7 @@ class FaultPlan:
         /health alone is not enough: a stage killed a moment ago still
         counts as up until the proxy's down timeout."""
         deadline = time.monotonic() + RECOVER_WITHIN_S
-        restarted = fault.kind != "stop_generator"
+        restarted = not fault.kind.startswith("stop_")
         killed = fault.kind.startswith("kill_")
         while time.monotonic() < deadline:
             pid = self.stages.pid(fault.instance)
