@@ -21,8 +21,8 @@ differs: measured worst max abs 0.27 (isolated pixels at hard edges of tiny
 upscaled images), worst mean abs 0.0037, identity-size images exact (see
 docs/media.md). CPU_TOLERANCE is about twice that. In CUDA mode nvJPEG decodes
 (fancy upsampling requested, to match libjpeg) and DALI's GPU resampler runs in
-float: GPU_TOLERANCE is provisional until scripts/gpu_media_check.py has
-measured it on the GPU box.
+float: measured on an H100 (scripts/gpu_dali_media.sh), worst max abs 0.27 and
+worst mean abs 0.0041 over the same 36 images, so the same bound holds.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ from pipeline.processing.image import ImageDecodeError, ImageProcessorConfig
 PIP_PACKAGE = "nvidia-dali-cuda130"
 # CPU mode: measured worst 0.27 / 0.0037 (docs/media.md), bound about 2x that.
 CPU_TOLERANCE = Tolerance(max_abs=0.5, mean_abs=0.01)
-# CUDA mode adds nvJPEG's IDCT and the GPU resampler's float rounding.
-GPU_TOLERANCE = Tolerance(max_abs=1.0, mean_abs=0.02)
+# CUDA mode adds nvJPEG's IDCT and the GPU resampler's float rounding: measured
+# worst 0.27 / 0.0041 on an H100 (docs/media.md), within the CPU mode's bound.
+GPU_TOLERANCE = Tolerance(max_abs=0.5, mean_abs=0.01)
 
 
 def _import_dali() -> tuple[Any, Any]:
