@@ -262,6 +262,7 @@ def test_vllm_named_series_are_served(epd):
         return {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")}
 
     chat(epd, IMAGES[1], "count the tokens", max_tokens=6)
+    chat(epd, IMAGES[1], "once more", max_tokens=6)   # the same image: a multimodal cache hit
     # Long enough to span several of the proxy's stats polls (every 0.5 s):
     # the tiny model decodes 400 tokens in less than one poll interval.
     long_tokens = 3000
@@ -284,7 +285,9 @@ def test_vllm_named_series_are_served(epd):
              "vllm:request_queue_time_seconds": "histogram", "vllm:request_prefill_time_seconds": "histogram",
              "vllm:request_decode_time_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
              "vllm:request_time_per_output_token_seconds": "histogram", "vllm:request_prompt_tokens": "histogram",
-             "vllm:request_generation_tokens": "histogram"}
+             "vllm:request_generation_tokens": "histogram", "vllm:request_inference_time_seconds": "histogram",
+             "vllm:request_params_max_tokens": "histogram", "vllm:mm_cache_queries": "counter",
+             "vllm:mm_cache_hits": "counter"}
     for name, kind in kinds.items():
         assert found[name].type == kind, name
         assert all(s.labels.get("model_name") == "tiny" for s in found[name].samples), name
@@ -306,6 +309,12 @@ def test_vllm_named_series_are_served(epd):
     for phase in ("queue", "prefill", "decode"):
         count, seconds = histogram(f"vllm:request_{phase}_time_seconds")
         assert count == counts[0] and seconds > 0, phase     # every finished request, once
+    count, seconds = histogram("vllm:request_inference_time_seconds")   # prefill and decode, per request
+    phases = [histogram(f"vllm:request_{phase}_time_seconds")[1] for phase in ("prefill", "decode")]
+    assert count == counts[0] and seconds == pytest.approx(sum(phases))
+    count, asked = histogram("vllm:request_params_max_tokens")
+    assert count == counts[0] and asked >= long_tokens + 12
+    assert total("vllm:mm_cache_queries") >= 2 and 1 <= total("vllm:mm_cache_hits") < total("vllm:mm_cache_queries")
     e2e_seconds = histogram("vllm:e2e_request_latency_seconds")[1]
     assert 0 < histogram("vllm:request_decode_time_seconds")[1] < e2e_seconds   # the long one decoded a while
     count, seconds = histogram("vllm:inter_token_latency_seconds")

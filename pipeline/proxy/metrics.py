@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pipeline.proxy.vllm_metrics import VllmSeries, engine_series
+from pipeline.proxy.vllm_metrics import VllmSeries, engine_series, mm_cache_series
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
@@ -56,7 +56,7 @@ class ProxyMetrics:
                 tpot = (now - flight.first_token_at) / (flight.tokens - 1)
                 self.tpot.observe(tpot)
         self.vllm.finished(delta.finish_reason, delta.prompt_tokens, ttft, tpot, now - flight.created, delta.phases,
-                           flight.intervals, flight.tokens)
+                           flight.intervals, flight.tokens, flight.work.request.sampling.max_tokens)
 
 
 # Which StageStats entries become which series.
@@ -135,3 +135,4 @@ class _StageCollector:
                 yield family
         yield from _labelled_counters(stats)
         yield from engine_series(stats, self.model_name)
+        yield from mm_cache_series(stats, self.model_name)

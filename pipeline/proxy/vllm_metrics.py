@@ -9,11 +9,14 @@ each request's mean time per output token after the first
 tokens (vllm:inter_token_latency_seconds, and under vLLM's deprecated name
 for the same, vllm:time_per_output_token_seconds); end-to-end latency; the
 time its generator had it queued, in prefill and in decode (the request's
-last delta carries them). One difference: the intervals are as the proxy
-receives deltas (a delta of k tokens counts as k intervals of a k-th of its
-wait each). Per generator (`engine` label, as vLLM reports per engine; from
-the stages' stats): running and waiting requests, KV cache usage,
-preemptions.
+last delta carries them), and prefill and decode together (inference);
+its max_tokens. One difference: the intervals are as the proxy receives
+deltas (a delta of k tokens counts as k intervals of a k-th of its wait
+each). Per generator (`engine` label, as vLLM reports per engine; from the
+stages' stats): running and waiting requests, KV cache usage, preemptions,
+prefix cache queries and hits. Over the encoders: the multimodal cache's
+queries and hits, in items (an image or video whose embedding an encoder
+already had, or was making, is a hit).
 """
 
 from __future__ import annotations
@@ -68,14 +71,23 @@ class VllmSeries:
                              buckets=E2E_BUCKETS, registry=registry)
         self.phases = [Histogram(f"vllm:request_{phase}_time_seconds", f"Time in the {phase} phase", label,
                                  buckets=E2E_BUCKETS, registry=registry) for phase in ("queue", "prefill", "decode")]
+        self.inference = Histogram("vllm:request_inference_time_seconds", "Time in the prefill and decode phases",
+                                   label, buckets=E2E_BUCKETS, registry=registry)
+        self.max_tokens = Histogram("vllm:request_params_max_tokens", "The max_tokens request parameter", label,
+                                    buckets=tokens, registry=registry)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens", label,
                              buckets=TPOT_BUCKETS, registry=registry)
 
     def finished(self, reason: str, prompt_tokens: int, ttft: float | None, tpot: float | None, e2e: float,
-                 phases: tuple[float, ...] = (), intervals: list[float] = (), generation_tokens: int = 0) -> None:
+                 phases: tuple[float, ...] = (), intervals: list[float] = (), generation_tokens: int = 0,
+                 max_tokens: int | None = None) -> None:
         name = self.model_name
         for histogram, seconds in zip(self.phases, phases):
             histogram.labels(name).observe(seconds)
+        if len(phases) >= 3:
+            self.inference.labels(name).observe(phases[1] + phases[2])
+        if max_tokens is not None:
+            self.max_tokens.labels(name).observe(max_tokens)
         itl, every_tpot = self.itl.labels(name), self.tpot.labels(name)
         for seconds in intervals:
             itl.observe(seconds)
@@ -114,3 +126,17 @@ def engine_series(stats: list, model_name: str):
         queries.add_metric(key, s.counters.get("prefix_cache_queries", 0))
         hits.add_metric(key, s.counters.get("prefix_cache_hits", 0))
     yield from (running, waiting, usage, preempted, queries, hits)
+
+
+def mm_cache_series(stats: list, model_name: str):
+    """vLLM's multimodal cache counters, in items, over the encoders: every
+    encode job is a query, and one an encoder served from an embedding it
+    had or was already making (its dedup) is a hit."""
+    queries = CounterMetricFamily("vllm:mm_cache_queries", "Multimodal cache queries, in items",
+                                  labels=["model_name"])
+    hits = CounterMetricFamily("vllm:mm_cache_hits", "Multimodal cache hits, in items", labels=["model_name"])
+    encoders = [s for s in stats if s.stage == "encoder"]
+    queries.add_metric([model_name], sum(s.counters.get(k, 0) for s in encoders for k in ("encoded", "dedup",
+                                                                                           "failed")))
+    hits.add_metric([model_name], sum(s.counters.get("dedup", 0) for s in encoders))
+    yield from (queries, hits)
