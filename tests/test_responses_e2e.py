@@ -2,8 +2,8 @@
 generator), through the official openai SDK: an answer about an image is
 the chat API's greedy answer, token for token, whole and streamed; a
 conversation chained by previous_response_id is answered as the chat API
-answers the same history sent whole; each one's input items list; a
-deleted response is gone."""
+answers the same history sent whole, also in the background; each one's
+input items list; a deleted response is gone."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from e2e_helpers import IMAGES, chat_messages, client, data_url, serving
 from stack import Stack
+from waiting import until
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,12 @@ def test_a_chained_conversation_is_the_whole_history_sent_at_once(served):
     listed = list(sdk.responses.input_items.list(first.id, limit=1, order="asc").data[0].content)
     assert [part.type for part in listed] == ["input_image", "input_text"]
     assert sdk.responses.input_items.list(second.id).data[0].content[0].text == "second question"
+    queued = sdk.responses.create(model="tiny", input="second question", previous_response_id=first.id,
+                                  max_output_tokens=6, temperature=0, instructions="Be brief.", background=True)
+    assert queued.status == "queued" and queued.background
+    done = until(lambda: (r := sdk.responses.retrieve(queued.id)).status not in ("queued", "in_progress") and r,
+                 "the background response to end", 60)
+    assert done.status == "incomplete" and done.output_text == second.output_text   # cut at 6 tokens, as it
     sdk.responses.delete(first.id)
     with pytest.raises(Exception, match="not found"):
         sdk.responses.retrieve(first.id)

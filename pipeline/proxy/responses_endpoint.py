@@ -1,7 +1,7 @@
-"""The Responses API's routes: `POST /v1/responses` (whole or streamed),
-`GET` and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`,
-and `POST /v1/responses/{id}/cancel` (no response here runs in the
-background, so there is nothing to cancel).
+"""The Responses API's routes: `POST /v1/responses` (whole, streamed, or
+in the background: responses_background.py), `GET` and `DELETE
+/v1/responses/{id}`, `GET /v1/responses/{id}/input_items`, and
+`POST /v1/responses/{id}/cancel` (of a background response).
 
 A request is served as the chat request it reads as
 (responses_request.py), through the app's own serving: the same dispatch,
@@ -48,16 +48,22 @@ class ResponsesEndpoints:
         work.arrived, work.client_id = request[ARRIVED_KEY], request[REQUEST_ID_KEY]
         request[PARSE_TOOLS_KEY] = tool_request(chat).parses
         answer = ResponsesAnswer(self, req, work, turns, request[PARSE_TOOLS_KEY], request[MODEL_NAME_KEY])
+        if req.background:
+            if self.stopping:
+                raise ApiError("the server stopped before this request was sent on", status=503)
+            return web.json_response(self.background.start(answer, work, input_items_of(req.input),
+                                                           request[MODEL_NAME_KEY]))
         return await self._serve(request, chat, work, chat=True, answer=answer)
 
     async def get_response(self, request: web.Request) -> web.Response:
         if request.query.get("stream", "false").lower() != "false":
-            raise ApiError("stream: only background responses stream again, and none run in the background here",
+            raise ApiError("stream: background responses are not streamed here; read them with GET",
                            param="stream")
         return web.json_response(self._stored(request).response)
 
     async def delete_response(self, request: web.Request) -> web.Response:
         stored = self._stored(request)
+        await self._stop_background(stored.response["id"])
         self.responses.pop(stored.response["id"])
         return web.json_response({"id": stored.response["id"], "object": "response", "deleted": True})
 
@@ -65,8 +71,16 @@ class ResponsesEndpoints:
         return web.json_response(input_items_page(self._stored(request).input_items, request.query))
 
     async def cancel_response(self, request: web.Request) -> web.Response:
-        self._stored(request)
-        raise ApiError("Cannot cancel a synchronous response.", param="response_id")
+        """A background response, stopped if it still runs (one that ended
+        is answered as it ended, as OpenAI's API does)."""
+        stored = self._stored(request)
+        if not stored.response.get("background"):
+            raise ApiError("Cannot cancel a synchronous response.", param="response_id")
+        await self._stop_background(stored.response["id"])
+        return web.json_response(self._stored(request).response)
+
+    async def _stop_background(self, response_id: str) -> None:
+        await self.background.cancel(response_id)
 
     def _stored(self, request: web.Request):
         response_id = request.match_info["response_id"]
@@ -81,6 +95,9 @@ class ResponsesEndpoints:
         found = self.responses.get(response_id)
         if found is None:
             raise _not_found(response_id, "previous_response_id")
+        if found.response["status"] not in ("completed", "incomplete"):
+            raise ApiError(f"Response with id '{response_id}' is {found.response['status']}: only a finished "
+                           "response can be gone on from", param="previous_response_id")
         return [dict(message) for message in found.conversation]
 
 
@@ -100,14 +117,21 @@ class ResponsesAnswer:
                                         stored=req.store and app.responses.enabled)
 
     async def whole(self, request: web.Request, flight, delta) -> web.Response:
+        last, body = await self.finished_body(request, flight, delta)
+        return error_response(last) if body is None else web.json_response(body)
+
+    async def finished_body(self, request, flight, delta) -> tuple:
+        """Read the flight to its end: (its last delta, the whole response,
+        stored if asked; None if it failed). `request`: an HTTP request, or
+        a mapping with its model name and tool parsing (a background run)."""
         last, choice = await self.app._choice(request, flight, delta, True)
         if last.error:
-            return error_response(last)
+            return last, None
         logprobs = choice["logprobs"]["content"] if self.logprobs else None
         body = finished(self.response, output_of(choice["message"], logprobs), last,
                         reasoning_tokens(flight.token_ids, self.end_id))
         self._keep(body)
-        return web.json_response(body)
+        return last, body
 
     async def open(self, request: web.Request):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -72,8 +72,8 @@ class ResponsesRequest(msgspec.Struct):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None   # a routing hint: the prefix cache needs no key
     service_tier: str | None = None
-    # Refused unless off (_REFUSED): nothing here runs in the background, stores prompts or conversations.
-    background: bool | None = None
+    background: bool = False   # responses_background.py
+    # Refused unless off (_REFUSED): nothing here stores prompts or conversations.
     prompt: dict | None = None
     conversation: str | dict | None = None
     max_tool_calls: int | None = None
@@ -98,8 +98,7 @@ class ResponsesRequest(msgspec.Struct):
     chat_template_kwargs: dict[str, object] | None = None
 
 
-_REFUSED = {"background": "background mode", "prompt": "stored prompts", "conversation": "stored conversations",
-            "max_tool_calls": "max_tool_calls"}
+_REFUSED = {"prompt": "stored prompts", "conversation": "stored conversations", "max_tool_calls": "max_tool_calls"}
 _SERVICE_TIERS = (None, "auto", "default")
 
 
@@ -110,6 +109,9 @@ def parse_responses_body(body: bytes) -> ResponsesRequest:
     for name, what in _REFUSED.items():
         if getattr(req, name) not in (None, False):
             raise ApiError(f"'{name}' is not supported by this server ({what}); leave it unset", param=name)
+    if req.background and req.stream:
+        raise ApiError("background responses are not streamed here: leave stream off, and read the response with "
+                       "GET /v1/responses/{id}", param="stream")
     if req.service_tier not in _SERVICE_TIERS:
         raise ApiError(f"service_tier {req.service_tier!r}: this server has one tier (auto or default)",
                        param="service_tier")

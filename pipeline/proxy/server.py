@@ -28,6 +28,7 @@ from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
 from pipeline.proxy.responses import (ChatDeltas, continuous_usage, error_response, final_usage,
                                      prompt_logprobs_at_top, response_body, usage_of)
 from pipeline.proxy.responses_endpoint import ResponsesEndpoints
+from pipeline.proxy.responses_background import BackgroundRuns
 from pipeline.proxy.responses_store import ResponseStore
 from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
 from pipeline.proxy.tools import tool_request
@@ -53,6 +54,7 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
         self.prompt_tokens_details = prompt_tokens_details   # usage names the prompt's cached tokens (vLLM's flag)
         self.force_usage = force_usage   # every stream ends with its usage (--enable-force-include-usage)
         self.responses = ResponseStore(responses_store_bytes)   # the Responses API's stored answers
+        self.background = BackgroundRuns(self)   # its background responses, while they run
         self.model = model
         self.policy = policy
         self.access = access
