@@ -26,8 +26,8 @@ from pipeline.arena.store import ArenaStore
 from pipeline.arg_parser import OneLineParser
 from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.encoder.service import EncoderService, EncoderSettings
-from pipeline.logs import add_log_flags, setup_logging
 from pipeline.launcher_watch import LauncherWatch, remove_own_socket, until_nobody_left
+from pipeline.logs import add_log_flags, setup_logging
 from pipeline.media.registry import create_backend, create_video_backend
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config, resolve_device

@@ -38,8 +38,8 @@ from pipeline.generator.local_encode import LocalEncoder, decode_job
 from pipeline.generator.media_budget import HeldBytes
 from pipeline.generator.service import GeneratorService
 from pipeline.incarnations import Incarnations
-from pipeline.logs import add_log_flags, setup_logging
 from pipeline.launcher_watch import LauncherWatch, remove_own_socket
+from pipeline.logs import add_log_flags, setup_logging
 from pipeline.media.registry import create_backend, create_video_backend
 from pipeline.media.video_backend import VideoClip
 from pipeline.media.video_probe import VideoDecodeError

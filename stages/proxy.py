@@ -21,11 +21,11 @@ from aiohttp import web
 from pipeline import transport
 from pipeline.arg_parser import OneLineParser
 from pipeline.hashing import media_salt
+from pipeline.launcher_watch import LauncherWatch, drain_when_launcher_gone, remove_own_socket
 from pipeline.logs import add_log_flags, setup_logging
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config
 from pipeline.models.tiny import default_model_dir
-from pipeline.launcher_watch import LauncherWatch, drain_when_launcher_gone, remove_own_socket
 from pipeline.processing.chat_template import is_template_text
 from pipeline.processing.content_format import CONTENT_FORMATS
 from pipeline.processing.image_config import add_mm_processor_kwargs_flag
