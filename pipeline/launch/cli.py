@@ -190,8 +190,8 @@ def _add_engine_and_api_flags(p: argparse.ArgumentParser) -> None:
                         help="reuse the KV of prompts' common starts, images included (default: on)")
     engine.add_argument("--max-model-len", type=human_readable_int, metavar="N",
                         help="prompt plus output tokens a request may have, e.g. 32k (the proxy refuses more, and a "
-                        "generator "
-                        "whose KV cache cannot hold one such request does not start; default: the checkpoint's)")
+                        "generator whose KV cache cannot hold one such request does not start; default: the "
+                        "checkpoint's)")
     engine.add_argument("--limit-mm-per-prompt", type=_mm_limits, metavar="JSON",
                         help='e.g. \'{"image": 4, "video": 1}\': the proxy refuses a request with more media; '
                         "our limit is one count over images and videos together (their sum)")

@@ -96,8 +96,8 @@ def _json_list(text: str) -> str:
 def _grammar_config(text: str) -> dict:
     value = json_object(text, '{"backend": "guidance"}')
     if set(value) - {"backend"} or value.get("backend", "auto") not in GRAMMAR_BACKENDS:
-        raise argparse.ArgumentTypeError(f"{text}: only {{\"backend\": \"auto\"}} or \"guidance\" holds here "
-                                         "(grammars are enforced by llguidance; request fields set the rest)")
+        raise argparse.ArgumentTypeError(f"{text}: only a backend of auto or guidance holds here (grammars are "
+                                         "enforced by llguidance; request fields set the rest)")
     return value
 
 
