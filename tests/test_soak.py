@@ -70,7 +70,7 @@ def soak(tmp_path_factory):
     folder = tmp_path_factory.mktemp("soak")
     report = folder / "soak.json"
     argv = [sys.executable, str(REPO / "scripts" / "soak.py"), "--minutes", "1", "--rate", "3", "--seed", "7",
-            "--warmup-s", "6", "--fault-gap-s", "0.5", "2", "--rss-interval-s", "2", "--log-dir", str(folder / "logs"),
+            "--warmup-s", "6", "--fault-gap-s", "0.5", "1", "--rss-interval-s", "2", "--log-dir", str(folder / "logs"),
             "--json", str(report)]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400)
     if not report.exists():
