@@ -315,6 +315,7 @@ def test_vllm_named_series_are_served(epd):
     count, asked = histogram("vllm:request_params_max_tokens")
     assert count == counts[0] and asked >= long_tokens + 12
     assert total("vllm:mm_cache_queries") >= 2 and 1 <= total("vllm:mm_cache_hits") < total("vllm:mm_cache_queries")
+    assert {s.labels["engine"] for s in found["vllm:mm_cache_hits"].samples} == set(epd.encoder_instances)
     e2e_seconds = histogram("vllm:e2e_request_latency_seconds")[1]
     assert 0 < histogram("vllm:request_decode_time_seconds")[1] < e2e_seconds   # the long one decoded a while
     count, seconds = histogram("vllm:inter_token_latency_seconds")

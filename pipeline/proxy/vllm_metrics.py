@@ -14,9 +14,9 @@ its max_tokens. One difference: the intervals are as the proxy receives
 deltas (a delta of k tokens counts as k intervals of a k-th of its wait
 each). Per generator (`engine` label, as vLLM reports per engine; from the
 stages' stats): running and waiting requests, KV cache usage, preemptions,
-prefix cache queries and hits. Over the encoders: the multimodal cache's
-queries and hits, in items (an image or video whose embedding an encoder
-already had, or was making, is a hit).
+prefix cache queries and hits. Per encoder (its instance as `engine`):
+the multimodal cache's queries and hits, in items (an image or video whose
+embedding the encoder already had, or was making, is a hit).
 """
 
 from __future__ import annotations
@@ -129,14 +129,16 @@ def engine_series(stats: list, model_name: str):
 
 
 def mm_cache_series(stats: list, model_name: str):
-    """vLLM's multimodal cache counters, in items, over the encoders: every
-    encode job is a query, and one an encoder served from an embedding it
-    had or was already making (its dedup) is a hit."""
-    queries = CounterMetricFamily("vllm:mm_cache_queries", "Multimodal cache queries, in items",
-                                  labels=["model_name"])
-    hits = CounterMetricFamily("vllm:mm_cache_hits", "Multimodal cache hits, in items", labels=["model_name"])
-    encoders = [s for s in stats if s.stage == "encoder"]
-    queries.add_metric([model_name], sum(s.counters.get(k, 0) for s in encoders for k in ("encoded", "dedup",
-                                                                                           "failed")))
-    hits.add_metric([model_name], sum(s.counters.get("dedup", 0) for s in encoders))
+    """vLLM's multimodal cache counters, in items, per encoder (its instance
+    as the `engine` label: a restarted one's counters start again from 0,
+    which a sum over encoders would hide from rate()): every encode job is a
+    query, and one served from an embedding the encoder had or was already
+    making (its dedup) is a hit."""
+    labels = ["model_name", "engine"]
+    queries = CounterMetricFamily("vllm:mm_cache_queries", "Multimodal cache queries, in items", labels=labels)
+    hits = CounterMetricFamily("vllm:mm_cache_hits", "Multimodal cache hits, in items", labels=labels)
+    for s in sorted((s for s in stats if s.stage == "encoder"), key=lambda s: s.instance):
+        key = [model_name, s.instance]
+        queries.add_metric(key, sum(s.counters.get(k, 0) for k in ("encoded", "dedup", "failed")))
+        hits.add_metric(key, s.counters.get("dedup", 0))
     yield from (queries, hits)
