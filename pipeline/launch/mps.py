@@ -22,18 +22,22 @@ the field leave in their pipe folder):
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from pipeline.arena.shm import pid_alive
+from pipeline.launcher_watch import LAUNCHER_PID_ENV
 
 PIPE_VAR = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_VAR = "CUDA_MPS_LOG_DIRECTORY"
@@ -94,6 +98,7 @@ class MpsDaemon:
         self.pid: int | None = None
         self.client_env: dict[str, str] | None = None  # None: the stages run without MPS
         self._program: str | None = None  # set while we own a running daemon
+        self._keeper: subprocess.Popen | None = None  # quits it should this launcher be killed
 
     def start(self) -> dict[str, str]:
         """The variables a client needs (empty for the operator's daemon,
@@ -110,15 +115,17 @@ class MpsDaemon:
             raise MpsError(f"{self.config.control}: not found on PATH")
         self._check_socket_path()
         deadline = time.monotonic() + self.config.start_timeout
-        self._clear_leftover(program, deadline)
-        self._make_folders()
-        try:
-            self._run_daemon_mode(program, deadline)
-            self._wait_ready(deadline)
-        except BaseException:
-            self._abandon()
-            raise
+        with run_folder_lock(self.config.root):  # against a keeper of a killed launcher (mps_keeper.py)
+            self._clear_leftover(program, deadline)
+            self._make_folders()
+            try:
+                self._run_daemon_mode(program, deadline)
+                self._wait_ready(deadline)
+            except BaseException:
+                self._abandon()
+                raise
         self._program = program
+        self._start_keeper(program)
         self.client_env = {PIPE_VAR: str(self.pipe), LOG_VAR: str(self.logs)}
         self.write(f"epd-launch: started the MPS control daemon (pipe {self.pipe}, pid {self.pid}) "
                    f"for {', '.join(sorted(self.config.clients))}")
@@ -142,15 +149,43 @@ class MpsDaemon:
         program, self._program = self._program, None
         if program is None:
             return
+        self._stop_keeper()
         deadline = time.monotonic() + self.config.stop_timeout
         why = send_quit(program, self._env(), deadline)
-        if self.pid is not None and not _wait_exit(self.pid, deadline):
-            _kill(self.pid)
+        if self.pid is not None and not wait_exit(self.pid, deadline):
+            kill_pid(self.pid)
             self.write(f"epd-launch: the MPS control daemon (pid {self.pid}) did not quit within "
                        f"{self.config.stop_timeout:g} s{why}; killed it")
         self.pid = None
         self._remove_root()
         self.write("epd-launch: stopped the MPS control daemon")
+
+    def _start_keeper(self, program: str) -> None:
+        # A session of its own, as the daemon's: a Ctrl-C or a kill of the
+        # launcher's process group must not take it too.
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {k: v for k, v in os.environ.items() if k != LAUNCHER_PID_ENV}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        try:
+            self._keeper = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.launch.mps_keeper", "--launcher", str(os.getpid()),
+                 "--root", str(self.config.root), "--program", program, "--daemon", str(self.pid),
+                 "--stop-timeout", str(self.config.stop_timeout)],
+                stdin=subprocess.DEVNULL, env=env, close_fds=True, start_new_session=True)
+        except OSError as exc:
+            self.write(f"epd-launch: warning: cannot start the MPS keeper ({exc.strerror or exc}); "
+                       "should this launcher be killed, its daemon stays up until the next launch")
+
+    def _stop_keeper(self) -> None:
+        keeper, self._keeper = self._keeper, None
+        if keeper is None:
+            return
+        keeper.terminate()
+        try:
+            keeper.wait(timeout=self.config.stop_timeout)
+        except subprocess.TimeoutExpired:
+            keeper.kill()
+            keeper.wait()
 
     def _check_socket_path(self) -> None:
         length = len(os.fsencode(self.pipe / LONGEST_SOCKET))
@@ -163,12 +198,12 @@ class MpsDaemon:
         daemon still up; quit that one (same pipe folder) and start afresh."""
         if not self.config.root.exists():
             return
-        pid = _read_pid(self.pipe / PID_FILE)
-        if pid is not None and _alive(pid):
+        pid = read_pid(self.pipe / PID_FILE)
+        if pid is not None and daemon_alive(pid):
             self.write(f"epd-launch: stopping the MPS control daemon left by an earlier run (pid {pid})")
             why = send_quit(program, self._env(), deadline)
             # Not killed by pid: the file may be stale and the number reused.
-            if not _wait_exit(pid, deadline):
+            if not wait_exit(pid, deadline):
                 raise MpsError(f"the MPS control daemon left by an earlier run (pid {pid}, pipe {self.pipe}) "
                                f"did not quit{why}; stop it and remove {self.config.root}")
         self._remove_root()
@@ -203,10 +238,10 @@ class MpsDaemon:
 
     def _wait_ready(self, deadline: float) -> None:
         while True:
-            pid = _read_pid(self.pipe / PID_FILE)
+            pid = read_pid(self.pipe / PID_FILE)
             if pid is not None:
                 self.pid = pid  # known from here on, so that a failed start can kill it
-                if not _alive(pid):
+                if not daemon_alive(pid):
                     raise MpsError(f"the daemon (pid {pid}) exited right after starting{log_tail(self.logs)}")
                 if (self.pipe / CONTROL_SOCKET).exists():
                     return
@@ -218,8 +253,8 @@ class MpsDaemon:
 
     def _abandon(self) -> None:
         """Undo a failed start: no client uses the half-started daemon yet."""
-        if self.pid is not None and _alive(self.pid):
-            _kill(self.pid)
+        if self.pid is not None and daemon_alive(self.pid):
+            kill_pid(self.pid)
         self.pid = None
         self._remove_root()
 
@@ -233,6 +268,22 @@ class MpsDaemon:
             pass
         except OSError as exc:
             self.write(f"epd-launch: warning: cannot remove {self.config.root}: {exc.strerror or exc}")
+
+
+@contextmanager
+def run_folder_lock(root: Path) -> Iterator[None]:
+    """An flock on the daemon folder's parent (the launcher's run folder),
+    held by a launcher and by a killed launcher's keeper while they quit,
+    remove, make or start a daemon in `root`. No lock file is left."""
+    try:
+        fd = os.open(root.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise MpsError(f"cannot open {root.parent}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def send_quit(program: str, env: dict[str, str], deadline: float) -> str:
@@ -261,7 +312,7 @@ def log_tail(logs: Path) -> str:
     return f" (control.log: {lines[-1]})" if lines else ""
 
 
-def _read_pid(path: Path) -> int | None:
+def read_pid(path: Path) -> int | None:
     """None while the file is missing or half written."""
     try:
         return int(path.read_text().strip())
@@ -269,7 +320,7 @@ def _read_pid(path: Path) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
+def daemon_alive(pid: int) -> bool:
     """A zombie counts as gone: the daemon is reparented to init, which in
     a container may never reap it."""
     if not pid_alive(pid):
@@ -281,15 +332,15 @@ def _alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
-def _wait_exit(pid: int, deadline: float) -> bool:
-    while _alive(pid):
+def wait_exit(pid: int, deadline: float) -> bool:
+    while daemon_alive(pid):
         if time.monotonic() >= deadline:
             return False
         time.sleep(POLL_S)
     return True
 
 
-def _kill(pid: int) -> None:
+def kill_pid(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
