@@ -69,3 +69,18 @@ def test_a_chained_conversation_is_the_whole_history_sent_at_once(served):
     sdk.responses.delete(first.id)
     with pytest.raises(Exception, match="not found"):
         sdk.responses.retrieve(first.id)
+
+
+def test_a_streamed_background_response_is_resumed_through_the_sdk(served):
+    expected, _ = chat_text(served, chat_messages(IMAGES[1], "describe"), 12)
+    sdk = client(served)
+    with sdk.responses.create(model="tiny", input=image_input("describe"), max_output_tokens=12, temperature=0,
+                              background=True, stream=True) as stream:
+        head = [next(iter(stream)) for _ in range(3)]   # then the client drops the stream
+    assert [e.type for e in head[:2]] == ["response.created", "response.queued"] and head[0].response.background
+    rid = head[0].response.id
+    tail = list(sdk.responses.retrieve(rid, stream=True, starting_after=head[-1].sequence_number))
+    assert [e.sequence_number for e in tail] == list(range(3, 3 + len(tail)))
+    text = "".join(e.delta for e in head + tail if e.type == "response.output_text.delta")
+    assert text == expected and tail[-1].type == "response.completed"
+    assert sdk.responses.retrieve(rid).output_text == expected

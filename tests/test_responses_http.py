@@ -302,7 +302,6 @@ def test_a_thinking_model_answers_with_a_reasoning_item(thinking):
     ({}, "input"),
     ({"input": []}, "input"),
     ({"input": "x", "background": True, "store": False}, "background"),
-    ({"input": "x", "background": True, "stream": True}, "stream"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),

@@ -11,8 +11,8 @@ failover, client-gone aborts, metrics and logs as a chat completion.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
-import msgspec
 from aiohttp import web
 
 from pipeline.proxy.access import ARRIVED_KEY, MODEL_NAME_KEY, PARSE_TOOLS_KEY, REQUEST_ID_KEY, echo_request_id
@@ -23,6 +23,7 @@ from pipeline.proxy.responses import ChatDeltas, error_response
 from pipeline.proxy.responses_input_items import input_items_of, input_items_page
 from pipeline.proxy.responses_output import (ResponseEvents, finished, new_id, output_of, reasoning_tokens,
                                              response_object)
+from pipeline.proxy.responses_replay import send_log, sse, starting_after
 from pipeline.proxy.responses_request import chat_request, conversation_of, parse_responses_body, wants_logprobs
 from pipeline.proxy.tools import tool_request
 
@@ -51,20 +52,32 @@ class ResponsesEndpoints:
         if req.background:
             if self.stopping:
                 raise ApiError("the server stopped before this request was sent on", status=503)
-            return web.json_response(self.background.start(answer, work, input_items_of(req.input),
-                                                           request[MODEL_NAME_KEY]))
+            queued = self.background.start(answer, work, input_items_of(req.input), request[MODEL_NAME_KEY],
+                                           req.stream)
+            if req.stream:
+                return await send_log(request, self.background.logs.get(queued), -1)
+            return web.json_response(queued)
         return await self._serve(request, chat, work, chat=True, answer=answer)
 
-    async def get_response(self, request: web.Request) -> web.Response:
-        if request.query.get("stream", "false").lower() != "false":
-            raise ApiError("stream: background responses are not streamed here; read them with GET",
-                           param="stream")
-        return web.json_response(self._stored(request).response)
+    async def get_response(self, request: web.Request) -> web.StreamResponse:
+        """The stored response; with `stream=true`, a streamed background
+        response's events after `starting_after` (responses_replay.py)."""
+        stream = request.query.get("stream", "false").lower()
+        if stream not in ("true", "false"):
+            raise ApiError(f"stream must be true or false (got {request.query['stream']!r})", param="stream")
+        stored = self._stored(request)
+        if stream == "false":
+            if "starting_after" in request.query:
+                raise ApiError("starting_after needs stream=true", param="starting_after")
+            return web.json_response(stored.response)
+        after = starting_after(request.query)
+        return await send_log(request, self.background.logs.get(stored.response), after)
 
     async def delete_response(self, request: web.Request) -> web.Response:
         stored = self._stored(request)
         await self._stop_background(stored.response["id"])
         self.responses.pop(stored.response["id"])
+        self.background.logs.drop(stored.response["id"])
         return web.json_response({"id": stored.response["id"], "object": "response", "deleted": True})
 
     async def list_input_items(self, request: web.Request) -> web.Response:
@@ -143,22 +156,29 @@ class ResponsesAnswer:
 
     async def stream(self, opened, flight, delta) -> web.StreamResponse:
         response, events = opened
+        async for out in self.events_of(events, flight, delta):
+            await _send(response, out)
+        await response.write_eof()
+        return response
+
+    async def events_of(self, events: ResponseEvents, flight, delta) -> AsyncIterator[list[dict]]:
+        """The flight's deltas, from `delta` on, as lists of events, to the
+        one that ends it (response.completed, or response.failed: the last
+        delta's `error` says which)."""
         deltas = ChatDeltas(self.tools, flight.work.reasoning)
         while True:
             if delta.error:
-                await _send(response, events.failed(delta.error, delta.status or 500))
-                break
+                yield events.failed(delta.error, delta.status or 500)
+                return
             entries = (chat_logprobs(self.app.token_names(flight), entries_of(delta))["content"]
                        if self.logprobs else None)
-            await _send(response, events.piece(deltas.delta(delta.text, delta.finished), entries))
+            yield events.piece(deltas.delta(delta.text, delta.finished), entries)
             if delta.finished:
                 out, whole = events.closing(delta, reasoning_tokens(flight.token_ids, self.end_id))
                 self._keep(whole)   # before the last event goes: it says whether it was stored
-                await _send(response, out)
-                break
+                yield out
+                return
             delta = await self.app._next(flight)
-        await response.write_eof()
-        return response
 
     def _keep(self, body: dict) -> None:
         """Store the answer with its conversation, if asked and it fits."""
@@ -184,5 +204,4 @@ def _as_message(output: list[dict]) -> dict:
 
 async def _send(response: web.StreamResponse, events: list[dict]) -> None:
     if events:
-        await response.write(b"".join(b"event: " + e["type"].encode() + b"\ndata: " + msgspec.json.encode(e)
-                                      + b"\n\n" for e in events))
+        await response.write(b"".join(map(sse, events)))

@@ -143,6 +143,19 @@ class ResponseEvents:
         return [self.event("response.created", response=self.response),
                 self.event("response.in_progress", response=self.response)]
 
+    def queued(self, queued: dict) -> list[dict]:
+        """A background response's first events, before its generator has answered."""
+        return [self.event("response.created", response=queued), self.event("response.queued", response=queued)]
+
+    def in_progress(self) -> list[dict]:
+        return [self.event("response.in_progress", response=self.response)]
+
+    def cut(self) -> list[dict]:
+        """A cancelled answer's last events: the item being written closed as
+        incomplete. No response event follows (the API has none for a
+        cancel); GET reads the response as cancelled."""
+        return self._close("incomplete")
+
     def piece(self, delta: dict, logprobs: list | None = None) -> list[dict]:
         """The events for one chat delta; `logprobs`: its tokens' entries."""
         self._pending += logprobs or ()

@@ -109,9 +109,6 @@ def parse_responses_body(body: bytes) -> ResponsesRequest:
     for name, what in _REFUSED.items():
         if getattr(req, name) not in (None, False):
             raise ApiError(f"'{name}' is not supported by this server ({what}); leave it unset", param=name)
-    if req.background and req.stream:
-        raise ApiError("background responses are not streamed here: leave stream off, and read the response with "
-                       "GET /v1/responses/{id}", param="stream")
     if req.service_tier not in _SERVICE_TIERS:
         raise ApiError(f"service_tier {req.service_tier!r}: this server has one tier (auto or default)",
                        param="service_tier")
