@@ -330,6 +330,34 @@ def test_vllm_named_series_are_served(epd):
     buckets = [s.labels["le"] for s in found["vllm:request_prompt_tokens"].samples if s.name.endswith("_bucket")]
     assert buckets[:4] == ["1.0", "2.0", "5.0", "10.0"] and buckets[-1] == "+Inf"   # vLLM's 1-2-5 to the context
 
+    # Once per request, not per choice: n, and its longest choice's tokens.
+    assert found["vllm:request_params_n"].type == found["vllm:request_max_num_generation_tokens"].type == "histogram"
+    n_before, most_before = histogram("vllm:request_params_n"), histogram("vllm:request_max_num_generation_tokens")
+    assert n_before[0] == most_before[0] and most_before[1] >= long_tokens
+    two = httpx.post(epd.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": chat_messages([], "two of them"), "n": 2, "max_tokens": 5, "ignore_eos": True})
+    assert two.status_code == 200 and len(two.json()["choices"]) == 2
+    found = families()
+    assert histogram("vllm:request_params_n") == (n_before[0] + 1, n_before[1] + 2)
+    assert histogram("vllm:request_max_num_generation_tokens") == (most_before[0] + 1, most_before[1] + 5)
+
+    # Per engine: tokens per step (their sum is the steps' tokens), and the KV cache's configuration.
+    everything = {f.name: f for f in text_string_to_metric_families(httpx.get(epd.base_url + "/metrics").text)}
+    steps = everything["vllm:iteration_tokens_total"]
+    assert steps.type == "histogram" and {s.labels["engine"] for s in steps.samples} == {"0", "1", "2"}
+    step_sum = sum(s.value for s in steps.samples if s.name.endswith("_sum"))
+    step_tokens = sum(s.value for s in everything["epd_generator_step_tokens"].samples)
+    assert step_sum == step_tokens >= long_tokens
+    step_count = sum(s.value for s in steps.samples if s.name.endswith("_count"))
+    decode_steps = sum(s.value for s in everything["epd_generator_steps"].samples
+                       if s.labels["kind"] in ("decode", "mixed"))
+    assert step_count == decode_steps > 0
+    kv_totals = {s.labels["instance"]: s.value for s in everything["epd_kv_blocks_total"].samples}
+    config = everything["vllm:cache_config_info"].samples
+    assert len(config) == 3 and all(s.value == 1 and s.labels["block_size"] == "16" for s in config)
+    assert sorted(int(s.labels["num_gpu_blocks"]) for s in config) == sorted(map(int, kv_totals.values()))
+    assert {s.labels["enable_prefix_caching"] for s in config} == {"True"}
+
     # The dashboard in the repository names only series this server has.
     text = httpx.get(epd.base_url + "/metrics", timeout=10).text
     served = {f.name for f in text_string_to_metric_families(text)}

@@ -250,6 +250,7 @@ class Engine:
         scheduler = self.scheduler
         return {"kv_blocks_used": float(scheduler.block_pool.num_used),
                 "kv_blocks_total": float(scheduler.block_pool.num_used + scheduler.block_pool.num_free),
+                "kv_block_size": float(scheduler.config.block_size),
                 "running": float(scheduler.num_running), "waiting": float(scheduler.num_waiting),
                 "encoder_cache_tokens": float(scheduler.encoder_cache.used_tokens),
                 "pending_embeddings": float(len(self.pending_embeddings))}

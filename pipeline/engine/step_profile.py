@@ -7,16 +7,21 @@ timed in phases with time.perf_counter (the forward's phase ends when the
 sampled tokens reach the host, so it includes the GPU's time) and summed
 per kind of step; `window()` returns the sums since the last call and
 starts a new window. `counters()` are running totals since start (steps,
-tokens and microseconds per kind), which /metrics exports as Prometheus
+tokens and microseconds per kind, and how many steps ran how many tokens,
+in ITERATION_TOKEN_BOUNDS' buckets), which /metrics exports as Prometheus
 counters. Recording costs a few dictionary updates per step.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import defaultdict
 
 PHASES = ("schedule", "encode", "forward", "update")
+# Upper bounds of the tokens-per-step buckets: vLLM's for
+# vllm:iteration_tokens_total (its list where no CUDA graph sizes apply).
+ITERATION_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def step_kind(num_tokens: int, num_seqs: int, encodes: int) -> str:
@@ -33,6 +38,7 @@ class StepProfile:
         self._steps: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])   # kind -> steps, tokens, s
         self.outside_s = 0.0   # the caller's own work between steps
+        self._by_tokens = [0] * (len(ITERATION_TOKEN_BOUNDS) + 1)   # steps per bucket; the last: more
 
     def record(self, kind: str, phases: dict[str, float], tokens: int, seqs: int) -> None:
         row = self._steps[kind]
@@ -45,6 +51,8 @@ class StepProfile:
         total[0] += 1
         total[1] += tokens
         total[2] += sum(phases.values())
+        if tokens:
+            self._by_tokens[bisect.bisect_left(ITERATION_TOKEN_BOUNDS, tokens)] += 1
 
     def add_wait(self, kind: str, seconds: float) -> None:
         """A wait for a step already recorded (decode ahead reads a launched
@@ -53,10 +61,14 @@ class StepProfile:
         self._totals[kind][2] += seconds
 
     def counters(self) -> dict[str, int]:
-        """{"steps.KIND", "step_tokens.KIND", "step_us.KIND": running totals}."""
+        """{"steps.KIND", "step_tokens.KIND", "step_us.KIND": running totals;
+        "iteration_tokens.B": steps that ran tokens in bucket B (at most
+        bound B and more than the one before; B "inf" past the last)}."""
         out = {}
         for kind, (steps, tokens, seconds) in self._totals.items():
             out.update({f"steps.{kind}": steps, f"step_tokens.{kind}": tokens, f"step_us.{kind}": int(seconds * 1e6)})
+        for bound, steps in zip((*map(str, ITERATION_TOKEN_BOUNDS), "inf"), self._by_tokens):
+            out[f"iteration_tokens.{bound}"] = steps
         return out
 
     def window(self) -> dict:

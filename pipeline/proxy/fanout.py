@@ -21,7 +21,7 @@ from aiohttp import web
 
 from pipeline.proxy.access import MODEL_NAME_KEY, response_id
 from pipeline.proxy.api_types import ApiError
-from pipeline.proxy.flights import Flight, Work
+from pipeline.proxy.flights import Choices, Flight, Work
 from pipeline.proxy.request_log import log_aborted
 from pipeline.proxy.responses import (ChatDeltas, Usage, continuous_usage, error_response, final_usage,
                                      prompt_logprobs_at_top, response_body, usage_of)
@@ -31,14 +31,14 @@ def copies(work: Work, n: int) -> list[Work]:
     """The n requests one API request with `n` stands for."""
     if n == 1:
         return [work]
-    out = []
+    out, choices = [], Choices(n)
     for i in range(n):
         request, sampling = work.request, work.request.sampling
         rid = f"{request.request_id}.{i}"
         seeded = msgspec.structs.replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
         jobs = [msgspec.structs.replace(job, job_id=f"{job.job_id}.{i}", request_id=rid) for job in work.jobs]
         out.append(replace(work, request=msgspec.structs.replace(request, request_id=rid, sampling=seeded),
-                           jobs=jobs))
+                           jobs=jobs, choices=choices))
     return out
 
 

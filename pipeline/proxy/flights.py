@@ -38,6 +38,24 @@ class Work:
     prompt_logprobs: bool = False    # the response carries vLLM's prompt_logprobs
     echo: Echo | None = None         # what the answer repeats first (proxy/echo.py)
     reasoning: ReasoningSplit | None = None   # how a chat answer splits into reasoning and content
+    choices: Choices | None = None   # the n copies of one request (fanout.py); None: n is 1
+
+
+class Choices:
+    """The n choices of one request, for vLLM's per-request series
+    (vllm:request_params_n, vllm:request_max_num_generation_tokens)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.left = n
+        self.most_tokens = 0
+
+    def ended(self, tokens: int) -> int | None:
+        """One choice ended with `tokens`: the most any choice generated,
+        once the last has ended (else None)."""
+        self.left -= 1
+        self.most_tokens = max(self.most_tokens, tokens)
+        return self.most_tokens if self.left == 0 else None
 
 
 @dataclass

@@ -57,6 +57,10 @@ class ProxyMetrics:
                 self.tpot.observe(tpot)
         self.vllm.finished(delta.finish_reason, delta.prompt_tokens, ttft, tpot, now - flight.created, delta.phases,
                            flight.intervals, flight.tokens, flight.work.request.sampling.max_tokens)
+        choices = flight.work.choices
+        most = flight.tokens if choices is None else choices.ended(flight.tokens)
+        if most is not None:   # the request's last choice: once per request, as vLLM observes them
+            self.vllm.request_ended(1 if choices is None else choices.n, most)
 
 
 # Which StageStats entries become which series.

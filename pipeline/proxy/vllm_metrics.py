@@ -10,11 +10,16 @@ tokens (vllm:inter_token_latency_seconds, and under vLLM's deprecated name
 for the same, vllm:time_per_output_token_seconds); end-to-end latency; the
 time its generator had it queued, in prefill and in decode (the request's
 last delta carries them), and prefill and decode together (inference);
-its max_tokens. One difference: the intervals are as the proxy receives
+its max_tokens. Once per request (its last choice's end): its n, and the
+most tokens any of its choices generated
+(vllm:request_max_num_generation_tokens). One difference: the intervals are as the proxy receives
 deltas (a delta of k tokens counts as k intervals of a k-th of its wait
 each). Per generator (`engine` label, as vLLM reports per engine; from the
 stages' stats): running and waiting requests, KV cache usage, preemptions,
-prefix cache queries and hits. Per encoder (its instance as `engine`):
+prefix cache queries and hits, tokens per engine step (the tokens its
+forward ran: prompt tokens, and one per decoding sequence;
+vllm:iteration_tokens_total), and vllm:cache_config_info (block_size,
+num_gpu_blocks, enable_prefix_caching). Per encoder (its instance as `engine`):
 the multimodal cache's queries and hits, in items (an image or video whose
 embedding the encoder already had, or was making, is a hit).
 """
@@ -22,7 +27,9 @@ embedding the encoder already had, or was making, is a hit).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from pipeline.engine.step_profile import ITERATION_TOKEN_BOUNDS
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -77,6 +84,16 @@ class VllmSeries:
                                     buckets=tokens, registry=registry)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens", label,
                              buckets=TPOT_BUCKETS, registry=registry)
+        self.n = Histogram("vllm:request_params_n", "The n request parameter", label, buckets=(1, 2, 5, 10, 20),
+                           registry=registry)
+        self.most_tokens = Histogram("vllm:request_max_num_generation_tokens",
+                                     "The most tokens any choice of a request generated", label, buckets=tokens,
+                                     registry=registry)
+
+    def request_ended(self, n: int, most_tokens: int) -> None:
+        """A request's last choice ended: its n, and its longest choice's tokens."""
+        self.n.labels(self.model_name).observe(n)
+        self.most_tokens.labels(self.model_name).observe(most_tokens)
 
     def finished(self, reason: str, prompt_tokens: int, ttft: float | None, tpot: float | None, e2e: float,
                  phases: tuple[float, ...] = (), intervals: list[float] = (), generation_tokens: int = 0,
@@ -115,9 +132,16 @@ def engine_series(stats: list, model_name: str):
     preempted = CounterMetricFamily("vllm:num_preemptions", "Preemptions", labels=labels)
     queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens", labels=labels)
     hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens", labels=labels)
+    steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step", labels=labels)
+    config = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration, in its labels",
+                               labels=[*labels, "block_size", "num_gpu_blocks", "enable_prefix_caching"])
     generators = sorted((s for s in stats if s.stage == "generator"), key=lambda s: s.instance)
     for engine, s in enumerate(generators):
         key = [model_name, str(engine)]
+        steps.add_metric(key, *_iteration_buckets(s.counters))
+        caching = str("prefix_cache_queries" in s.counters)   # as vLLM writes the bool
+        config.add_metric([*key, str(int(s.gauges.get("kv_block_size", 0))),
+                           str(int(s.gauges.get("kv_blocks_total", 0))), caching], 1.0)
         running.add_metric(key, s.gauges.get("running", 0))
         waiting.add_metric(key, s.gauges.get("waiting", 0))
         total = s.gauges.get("kv_blocks_total", 0)
@@ -125,7 +149,18 @@ def engine_series(stats: list, model_name: str):
         preempted.add_metric(key, s.counters.get("preemptions", 0))
         queries.add_metric(key, s.counters.get("prefix_cache_queries", 0))
         hits.add_metric(key, s.counters.get("prefix_cache_hits", 0))
-    yield from (running, waiting, usage, preempted, queries, hits)
+    yield from (running, waiting, usage, preempted, queries, hits, steps, config)
+
+
+def _iteration_buckets(counters: dict) -> tuple[list[tuple[str, float]], float]:
+    """A generator's steps-per-token-bucket counters (step_profile.py) as a
+    histogram's cumulative buckets and its sum (the tokens of every step)."""
+    buckets, seen = [], 0
+    for bound in (*ITERATION_TOKEN_BOUNDS, "inf"):
+        seen += counters.get(f"iteration_tokens.{bound}", 0)
+        buckets.append(("+Inf" if bound == "inf" else str(float(bound)), seen))
+    total = sum(v for k, v in counters.items() if k.startswith("step_tokens."))
+    return buckets, total
 
 
 def mm_cache_series(stats: list, model_name: str):
