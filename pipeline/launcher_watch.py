@@ -57,12 +57,16 @@ class LauncherWatch:
                     self.launcher, QUIET_S, stage)
 
 
-def remove_own_socket(watch: LauncherWatch, address: str) -> None:
-    """At a stage's exit: the file of its ipc:// inbox, which the launcher
-    removes when it stops the stage, but a launcher that is gone cannot.
-    Only then: a stage the launcher restarts binds the same path."""
-    if watch.launcher_gone() and address.startswith("ipc://"):
-        Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+def remove_own_files(watch: LauncherWatch, address: str, *paths: str | None) -> None:
+    """At a stage's exit: the file of its ipc:// inbox and the other files
+    of its own in the run folder (a generator's prefill signal), which the
+    launcher removes when it stops the stage, but a launcher that is gone
+    cannot. Only then: a stage the launcher restarts uses the same paths."""
+    if not watch.launcher_gone():
+        return
+    own = [address.removeprefix("ipc://")] if address.startswith("ipc://") else []
+    for path in own + [p for p in paths if p]:
+        Path(path).unlink(missing_ok=True)
 
 
 async def until_nobody_left(watch: LauncherWatch, stage: str) -> None:

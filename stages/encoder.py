@@ -26,7 +26,7 @@ from pipeline.arena.store import ArenaStore
 from pipeline.arg_parser import OneLineParser
 from pipeline.cpu_threads import add_cpu_threads_flag, apply_cpu_threads
 from pipeline.encoder.service import EncoderService, EncoderSettings
-from pipeline.launcher_watch import LauncherWatch, remove_own_socket, until_nobody_left
+from pipeline.launcher_watch import LauncherWatch, remove_own_files, until_nobody_left
 from pipeline.logs import add_log_flags, setup_logging
 from pipeline.media.registry import create_backend, create_video_backend
 from pipeline.models.errors import ModelLoadError
@@ -109,7 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
         inbox.close()
         outbox.close()
         ctx.term()
-        remove_own_socket(LauncherWatch(), args.address)
+        remove_own_files(LauncherWatch(), args.address)
 
 
 async def _serve(args: argparse.Namespace, inbox: transport.Inbox, outbox: transport.Outbox,

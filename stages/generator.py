@@ -38,7 +38,7 @@ from pipeline.generator.local_encode import LocalEncoder, decode_job
 from pipeline.generator.media_budget import HeldBytes
 from pipeline.generator.service import GeneratorService
 from pipeline.incarnations import Incarnations
-from pipeline.launcher_watch import LauncherWatch, remove_own_socket
+from pipeline.launcher_watch import LauncherWatch, remove_own_files
 from pipeline.logs import add_log_flags, setup_logging
 from pipeline.media.registry import create_backend, create_video_backend
 from pipeline.media.video_backend import VideoClip
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         receiver.join(timeout=2)
         replies.close()
         inbox.close()
-        remove_own_socket(LauncherWatch(), args.address)
+        remove_own_files(LauncherWatch(), args.address, args.prefill_signal)
         outbox.close()
         ctx.term()
     return 1 if deaf.is_set() else 0

@@ -21,7 +21,7 @@ from aiohttp import web
 from pipeline import transport
 from pipeline.arg_parser import OneLineParser
 from pipeline.hashing import media_salt
-from pipeline.launcher_watch import LauncherWatch, drain_when_launcher_gone, remove_own_socket
+from pipeline.launcher_watch import LauncherWatch, drain_when_launcher_gone, remove_own_files
 from pipeline.logs import add_log_flags, setup_logging
 from pipeline.models.errors import ModelLoadError
 from pipeline.models.loader import load_config
@@ -234,7 +234,7 @@ async def _launcher_watch(address: str):
     task = asyncio.create_task(drain_when_launcher_gone(watch))
     yield
     task.cancel()
-    remove_own_socket(watch, address)
+    remove_own_files(watch, address)
 
 
 def main(argv: list[str] | None = None) -> int:

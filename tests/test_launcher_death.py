@@ -88,7 +88,7 @@ def test_a_killed_launchers_stages_finish_the_stream_in_flight_then_stop_and_lea
 
 def test_the_watch_sees_a_launcher_gone_only_where_one_started_the_stage(tmp_path):
     from pipeline import launcher_watch
-    from pipeline.launcher_watch import LAUNCHER_PID_ENV, LauncherWatch, remove_own_socket
+    from pipeline.launcher_watch import LAUNCHER_PID_ENV, LauncherWatch, remove_own_files
 
     by_hand = LauncherWatch({})
     assert not by_hand.launcher_gone() and not by_hand.nobody_left()
@@ -100,9 +100,12 @@ def test_the_watch_sees_a_launcher_gone_only_where_one_started_the_stage(tmp_pat
     assert orphan.nobody_left()
     orphan.asked()
     assert not orphan.nobody_left()
-    sock = tmp_path / "x.sock"
-    sock.write_bytes(b"")
-    remove_own_socket(ours, f"ipc://{sock}")
-    assert sock.exists()   # the launcher removes it, or a restarted stage binds it again
-    remove_own_socket(orphan, f"ipc://{sock}")
-    assert not sock.exists()
+    sock, signal_file = tmp_path / "x.sock", tmp_path / "generator-0.prefill"
+    for path in (sock, signal_file):
+        path.write_bytes(b"")
+    remove_own_files(ours, f"ipc://{sock}", str(signal_file))
+    assert sock.exists() and signal_file.exists()   # the launcher removes them, or a restarted stage reuses them
+    remove_own_files(orphan, f"ipc://{sock}", None)
+    assert not sock.exists() and signal_file.exists()
+    remove_own_files(orphan, "tcp://127.0.0.1:5555", str(signal_file))
+    assert not signal_file.exists()
