@@ -118,10 +118,14 @@ def test_streams_that_cannot_be_resumed_are_a_400_naming_why(model):
             (rid, {"stream": "true", "starting_after": "two"}, "starting_after", "non-negative integer"),
             (rid, {"starting_after": "2"}, "starting_after", "needs stream=true"),
             (rid, {"stream": "maybe"}, "stream", "true or false"),
+            (rid, {"include[]": "message.output_text.logprobs"}, "include", "as it was made"),
+            (rid, {"include": "message.output_text.logprobs", "stream": "true"}, "include", "as it was made"),
         ]:
             got = await client.get(f"{URL}/{response_id}", params=query)
             body = await got.json()
             assert got.status == 400 and body["error"]["param"] == param and words in body["error"]["message"], body
+        obfuscated = await client.get(f"{URL}/{rid}", params={"stream": "true", "include_obfuscation": "true"})
+        assert obfuscated.status == 200 and (await sse_events(obfuscated))[-1]["type"] == "response.completed"
         assert (await client.delete(f"{URL}/{rid}")).status == 200
         assert (await client.get(f"{URL}/{rid}", params={"stream": "true"})).status == 404
     serve_scripted(model, scenario, OUTPUTS)

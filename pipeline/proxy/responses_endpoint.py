@@ -61,10 +61,15 @@ class ResponsesEndpoints:
 
     async def get_response(self, request: web.Request) -> web.StreamResponse:
         """The stored response; with `stream=true`, a streamed background
-        response's events after `starting_after` (responses_replay.py)."""
+        response's events after `starting_after` (responses_replay.py).
+        `include_obfuscation` is accepted either way: no event carries
+        obfuscation padding here."""
         stream = request.query.get("stream", "false").lower()
         if stream not in ("true", "false"):
             raise ApiError(f"stream must be true or false (got {request.query['stream']!r})", param="stream")
+        if "include" in request.query or "include[]" in request.query:
+            raise ApiError("include: a stored response is returned as it was made; ask for include when "
+                           "creating it", param="include")
         stored = self._stored(request)
         if stream == "false":
             if "starting_after" in request.query:
