@@ -108,6 +108,9 @@ def test_model_names_and_the_404_for_others(tiny_dir, tmp_path):
         models = await (await client.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["qwen-a", "qwen-b"]
         assert all(m["root"] == "tiny" for m in models["data"])
+        assert await (await client.get("/v1/models/qwen-b")).json() == models["data"][1]
+        missing = await client.get("/v1/models/tiny")
+        assert missing.status == 404 and (await missing.json())["error"]["message"] == "The model `tiny` does not exist."
         r = await client.post("/tokenize", json={"model": "tiny", "prompt": "x"})
         assert r.status == 404   # --served-model-name replaces the default name
 
@@ -120,6 +123,7 @@ def test_api_key(tiny_dir, tmp_path):
         wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
         assert wrong.status == 401 and (await wrong.json())["error"]["type"] == "AuthenticationError"
         assert (await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})).status == 200
+        assert (await client.get("/v1/models/tiny")).status == 401
         assert (await client.post("/tokenize", json={"prompt": "x"})).status == 401
         assert (await client.post("/invocations", json={"prompt": "x"})).status == 401
         assert (await client.get("/version")).status == 200   # only the API routes by default

@@ -28,6 +28,7 @@ from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
 from pipeline.proxy.responses import (ChatDeltas, continuous_usage, error_response, final_usage,
                                      prompt_logprobs_at_top, response_body, usage_of)
 from pipeline.proxy.responses_endpoint import ResponsesEndpoints
+from pipeline.proxy.model_cards import model_routes
 from pipeline.proxy.responses_background import BackgroundRuns
 from pipeline.proxy.responses_store import ResponseStore
 from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
@@ -71,7 +72,7 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
     def build(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[error_middleware(self.access), self._errors])
         app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
-                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        *model_routes(self.model), web.get("/health", self.health),
                         # SageMaker's routes, as vllm serve has them: a health check, and either API by its body.
                         web.get("/ping", self.health), web.post("/ping", self.health),
                         web.post("/invocations", self.invocations),
@@ -174,11 +175,6 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
             return await self.completions(request)
         raise ApiError("/invocations takes a chat (messages) or a text completion (prompt) body",
                        param="messages")
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "epd", "root": self.model.model_id,
-             "max_model_len": self.model.max_context} for name in self.model.names]})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.dispatcher.healthy():
