@@ -142,6 +142,8 @@ def run(args: argparse.Namespace, run_dir: Path, report: dict) -> None:
                                           "every stage to stop on its own", 120)
     if daemon is not None:
         report["daemon_gone_after_s"] = until(lambda: not alive(daemon), "the keeper to quit the daemon", 60)
+        # The keeper removes the folder after the daemon has exited, then says so and exits itself.
+        report["keeper_gone_after_s"] = until(lambda: not mps_processes(), "the keeper to exit", 30)
         report["mps_folder_left"] = pipe.parent.exists()
     report["mps_processes_after"] = mps_processes()
     report["keeper_line"] = [line for line in (args.out / "logs" / "launcher.log").read_text().splitlines()
