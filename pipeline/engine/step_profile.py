@@ -63,12 +63,14 @@ class StepProfile:
     def counters(self) -> dict[str, int]:
         """{"steps.KIND", "step_tokens.KIND", "step_us.KIND": running totals;
         "iteration_tokens.B": steps that ran tokens in bucket B (at most
-        bound B and more than the one before; B "inf" past the last)}."""
+        bound B and more than the one before; B "inf" past the last), for
+        the buckets that have any}."""
         out = {}
         for kind, (steps, tokens, seconds) in self._totals.items():
             out.update({f"steps.{kind}": steps, f"step_tokens.{kind}": tokens, f"step_us.{kind}": int(seconds * 1e6)})
         for bound, steps in zip((*map(str, ITERATION_TOKEN_BOUNDS), "inf"), self._by_tokens):
-            out[f"iteration_tokens.{bound}"] = steps
+            if steps:   # an empty bucket reads as 0 where it is exported
+                out[f"iteration_tokens.{bound}"] = steps
         return out
 
     def window(self) -> dict:
