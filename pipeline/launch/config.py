@@ -137,6 +137,7 @@ class _LaunchKeys(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", om
     distributed_executor_backend: str | None = None
     response_role: str | None = None
     guided_decoding_backend: str | None = None
+    prefix_caching_hash_algo: str | None = None
 
 
 # The table-driven flags' keys (accepted as they are, or refused by name when

@@ -27,6 +27,8 @@ FIXED = (
      "sampling option changes it"),
     ("--distributed-executor-backend", None, str, ("mp", "uni"), "each generator is one process on one GPU"),
     ("--response-role", None, str, ("assistant",), "chat answers are the assistant's turn"),
+    ("--prefix-caching-hash-algo", None, str, ("xxhash",), "prefix-cached blocks are named by a chained "
+     "xxh3-128 hash (pipeline/engine/prefix_cache.py)"),
     ("--guided-decoding-backend", None, str, ("auto", "guidance"), "grammars are enforced by llguidance (vLLM's "
      "guidance backend)"),
 )

@@ -38,6 +38,14 @@ ACCEPTED = (
     ("--disable-custom-all-reduce", SWITCH, "a generator runs on one GPU: there is no all-reduce"),
     ("--max-parallel-loading-workers", ONE, "each stage loads its own weights"),
     ("--code-revision", ONE, "no checkpoint's own code is ever run"),
+    ("--hf-token", ONE, "nothing is downloaded: a repo id is read from this machine's Hugging Face cache"),
+    ("--mm-encoder-tp-mode", ONE, "the vision tower runs whole in each encoder, on one GPU: there is no tensor "
+     "parallelism to split it by weights or by data"),
+    ("--skip-mm-profiling", SWITCH, "no profiling run is made: each generator sizes its KV cache from the GPU's "
+     "memory by formula (--gpu-memory-utilization)"),
+    ("--interleave-mm-strings", SWITCH, "a string-format chat template gets each image's placeholder where the "
+     "image was among the text, always (--chat-template-content-format)"),
+    ("--log-error-stack", SWITCH, "the proxy logs the stack of every internal error (a 500) anyway"),
 )
 
 # (flag, how it takes a value, why it is refused)
@@ -71,6 +79,25 @@ REFUSED = (
      "cannot be turned off"),
     ("--num-gpu-blocks-override", ONE, "size the KV cache with --kv-cache-memory-bytes (or --gpu-memory-utilization)"),
     ("--enable-log-outputs", SWITCH, "the request log lines carry neither prompts nor outputs"),
+    ("--enable-mm-embeds", SWITCH, "images and videos are sent as media; embeddings as input are not served"),
+    ("--calculate-kv-scales", SWITCH, "the KV cache is kept in the model's dtype; there are no KV scales"),
+    ("--kv-events-config", ONE, "KV cache events are not published"),
+    ("--logits-processors", MANY, "no outside code is loaded into the generators"),
+    ("--io-processor-plugin", ONE, "no outside code is loaded"),
+    ("--reasoning-parser-plugin", ONE, "no outside code is loaded; --reasoning-parser names the built-in parsers"),
+    ("--tool-parser-plugin", ONE, "no outside code is loaded; tool calls are parsed in the Hermes format"),
+    ("--enable-tokenizer-info-endpoint", SWITCH, "there is no /tokenizer_info; /tokenize and /detokenize are "
+     "served"),
+    ("--disable-frontend-multiprocessing", SWITCH, "the proxy and the stages it serves are always processes of "
+     "their own"),
+    ("--h11-max-header-count", ONE, "the proxy's HTTP server is aiohttp's, with its own header limits, not "
+     "uvicorn's h11"),
+    ("--h11-max-incomplete-event-size", ONE, "the proxy's HTTP server is aiohttp's, with its own header limits, "
+     "not uvicorn's h11"),
+    ("--mm-processor-cache-type", ONE, "encoders keep embeddings, not processed inputs; their arena is the cache "
+     "(--stage-arg encoder=--arena-mib=N)"),
+    ("--mm-shm-cache-max-object-size-mb", ONE, "encoders keep embeddings, not processed inputs; their arena is "
+     "the cache (--stage-arg encoder=--arena-mib=N)"),
 )
 
 ALL = ACCEPTED + REFUSED
