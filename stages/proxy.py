@@ -64,6 +64,8 @@ def _add_answer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) instead of the checkpoint's, e.g. "
                         "one that takes tools for a checkpoint whose own does not")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="a chat with tool_choice none renders no tools into its prompt (vLLM's flag)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="a request may bring its own chat_template (vLLM's flag; without it such a request is a 400)")
     p.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
@@ -210,7 +212,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       max_logprobs=max_logprobs_of(args.max_logprobs, processor.tokenizer.vocab_size),
                       template_kwargs=args.default_chat_template_kwargs,
                       tokens_as_ids=args.return_tokens_as_token_ids,
-                      content_format=args.chat_template_content_format)
+                      content_format=args.chat_template_content_format,
+                      exclude_tools_when_none=args.exclude_tools_when_tool_choice_none)
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout,

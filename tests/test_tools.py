@@ -230,3 +230,22 @@ def test_where_the_tags_are_tokens_the_grammar_names_those_tokens(tiny_dir, tmp_
         assert content is None and calls
         for call in calls:
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+def test_tools_left_out_of_the_prompt_when_tool_choice_is_none_if_the_server_says_so(tool_dir):
+    from dataclasses import replace
+    transformers = pytest.importorskip("transformers")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tool_dir))
+    chat = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    bare = hf_tok.encode(hf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)
+    with_tools = hf_tok.encode(hf_tok.apply_chat_template(chat, tools=TOOLS, tokenize=False,
+                                                          add_generation_prompt=True), add_special_tokens=False)
+    excluding = replace(model_of(tool_dir), exclude_tools_when_none=True)   # --exclude-tools-when-tool-choice-none
+    assert list(work_of(excluding, messages=chat, tools=TOOLS, tool_choice="none").request.prompt_token_ids) == bare
+    assert list(work_of(excluding, messages=chat, tools=TOOLS, tool_choice="auto").request.prompt_token_ids) \
+        == with_tools
+    assert list(work_of(model_of(tool_dir), messages=chat, tools=TOOLS,
+                        tool_choice="none").request.prompt_token_ids) == with_tools   # vLLM's default
+    with pytest.raises(ApiError, match="a second function"):   # still checked, though left out
+        work_of(excluding, messages=chat, tools=[TOOLS[0], TOOLS[0]], tool_choice="none")

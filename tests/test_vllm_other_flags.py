@@ -84,13 +84,14 @@ def test_sizes_read_as_vllm_reads_them_and_the_kv_cache_bytes_reach_the_generato
 def test_cors_and_load_tracking_reach_the_proxy_also_from_a_config_file(tiny_dir, tmp_path):
     path = tmp_path / "epd.yaml"
     path.write_text("allowed-methods: [GET, POST]\nallowed-headers: [X-A]\nallow-credentials: true\n"
-                    "enable-server-load-tracking: true\nswap-space: 4\nstructured-outputs-config: {backend: guidance}\n")
+                    "enable-server-load-tracking: true\nswap-space: 4\nstructured-outputs-config: {backend: guidance}\n"
+                    "exclude-tools-when-tool-choice-none: true\n")
     load_config(path)
     proxy = stage_args(cli.parse_args(["--config", str(path), str(tiny_dir), "--device", "cpu"]))["proxy"]
     from stages.proxy import parse_args as proxy_args
     parsed = proxy_args(proxy)
     assert (parsed.allowed_methods, parsed.allowed_headers) == (["GET", "POST"], ["X-A"])
-    assert parsed.allow_credentials and parsed.enable_server_load_tracking
+    assert parsed.allow_credentials and parsed.enable_server_load_tracking and parsed.exclude_tools_when_tool_choice_none
     result = launch(str(tiny_dir), "--allowed-methods", "GET")
     assert result.returncode == 2 and "JSON list" in result.stderr
     result = launch(str(tiny_dir), "--structured-outputs-config", '{"backend": "xgrammar"}')

@@ -92,6 +92,7 @@ class _LaunchKeys(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", om
     override_generation_config: dict[str, float | int] | None = None
     enable_prompt_tokens_details: bool | None = None
     trust_request_chat_template: bool | None = None
+    exclude_tools_when_tool_choice_none: bool | None = None
     chat_template_content_format: ContentFormat | None = None
     return_tokens_as_token_ids: bool | None = None
     enable_force_include_usage: bool | None = None

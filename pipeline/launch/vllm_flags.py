@@ -42,6 +42,8 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                        help="logprobs name tokens 'token_id:N' unless a request says otherwise")
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="every stream ends with a usage chunk, whatever its stream_options")
+    group.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help="a chat with tool_choice none renders no tools into its prompt")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="a request may bring its own chat_template (without it, such a request is a 400)")
     group.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS,
@@ -133,7 +135,7 @@ def vllm_stage_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
     if args.enable_prompt_tokens_details:
         out.append(("proxy", "--enable-prompt-tokens-details"))
     for name in ("trust_request_chat_template", "return_tokens_as_token_ids", "enable_force_include_usage",
-                 "allow_credentials", "enable_server_load_tracking"):
+                 "allow_credentials", "enable_server_load_tracking", "exclude_tools_when_tool_choice_none"):
         if getattr(args, name):
             out.append(("proxy", f"--{name.replace('_', '-')}"))
     if args.default_chat_template_kwargs is not None:

@@ -62,6 +62,7 @@ class ModelInfo:
     template_kwargs: dict = field(default_factory=dict)
     # --chat-template-content-format: how templates take a message's content (content_format.py).
     content_format: str = "auto"
+    exclude_tools_when_none: bool = False   # --exclude-tools-when-tool-choice-none
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -134,6 +135,8 @@ async def fetch_all(media: list[tuple[str, str]], policy: FetchPolicy, session=N
 async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchPolicy, request_id: str,
                     reply_to: str, session=None) -> Work:
     tools = tool_request(req)
+    if model.exclude_tools_when_none and tools.choice == "none":
+        tools = ToolRequest()   # vLLM's --exclude-tools-when-tool-choice-none: the template gets no tools
     messages, media = plain_messages(req.messages)
     template = model.template_for(req.chat_template)
     check_template_takes(template, tools, messages, req.documents)
