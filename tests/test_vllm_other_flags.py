@@ -58,6 +58,8 @@ def test_a_flag_for_what_is_not_served_exits_2_saying_why(tiny_dir, flag, takes,
     ("--cpu-offload-gb", "0", "4.0"), ("--api-server-count", "1", "2"), ("--tokenizer-mode", "hf", "mistral"),
     ("--model-impl", "auto", "transformers"), ("--logprobs-mode", "raw_logprobs", "processed_logprobs"),
     ("--response-role", "assistant", "bot"), ("--guided-decoding-backend", "guidance", "xgrammar"),
+    ("--prefix-caching-hash-algo", "xxhash", "sha256"), ("--max-num-partial-prefills", "1", "4"),
+    ("--long-prefill-token-threshold", "0", "256"),
 ])
 def test_a_flag_that_holds_at_one_value_refuses_another(tiny_dir, flag, good, bad, capsys):
     cli.parse_args([str(tiny_dir), "--device", "cpu", flag, good])

@@ -139,6 +139,9 @@ class _LaunchKeys(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", om
     response_role: str | None = None
     guided_decoding_backend: str | None = None
     prefix_caching_hash_algo: str | None = None
+    max_num_partial_prefills: int | None = None
+    max_long_partial_prefills: int | None = None
+    long_prefill_token_threshold: int | None = None
 
 
 # The table-driven flags' keys (accepted as they are, or refused by name when

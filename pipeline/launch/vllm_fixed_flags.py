@@ -27,6 +27,12 @@ FIXED = (
      "sampling option changes it"),
     ("--distributed-executor-backend", None, str, ("mp", "uni"), "each generator is one process on one GPU"),
     ("--response-role", None, str, ("assistant",), "chat answers are the assistant's turn"),
+    ("--max-num-partial-prefills", None, int, (1,), "prompts are prefilled in chunks side by side within "
+     "--max-num-batched-tokens, with no separate cap on how many are partway"),
+    ("--max-long-partial-prefills", None, int, (1,), "prompts are prefilled in chunks side by side within "
+     "--max-num-batched-tokens, with no separate cap on how many are partway"),
+    ("--long-prefill-token-threshold", None, int, (0,), "a prompt's chunk in a step is bounded by "
+     "--max-num-batched-tokens alone"),
     ("--prefix-caching-hash-algo", None, str, ("xxhash",), "prefix-cached blocks are named by a chained "
      "xxh3-128 hash (pipeline/engine/prefix_cache.py)"),
     ("--guided-decoding-backend", None, str, ("auto", "guidance"), "grammars are enforced by llguidance (vLLM's "

@@ -79,6 +79,8 @@ REFUSED = (
      "cannot be turned off"),
     ("--num-gpu-blocks-override", ONE, "size the KV cache with --kv-cache-memory-bytes (or --gpu-memory-utilization)"),
     ("--enable-log-outputs", SWITCH, "the request log lines carry neither prompts nor outputs"),
+    ("--disable-chunked-mm-input", SWITCH, "a step's chunk may end inside an image's tokens, as by vLLM's "
+     "default"),
     ("--enable-mm-embeds", SWITCH, "images and videos are sent as media; embeddings as input are not served"),
     ("--calculate-kv-scales", SWITCH, "the KV cache is kept in the model's dtype; there are no KV scales"),
     ("--kv-events-config", ONE, "KV cache events are not published"),
