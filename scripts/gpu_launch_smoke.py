@@ -19,24 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.bench.launched import LaunchedStack, read_json, run_bench  # noqa: E402
+from pipeline.bench.launched import LaunchedStack, gpu_memory_used_mib, read_json, run_bench  # noqa: E402
 
 KV_LINE = re.compile(r"KV cache: .*")
-
-
-def gpu_memory_used_mib(cpu: bool) -> list[int]:
-    if cpu:
-        return [0]
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
-    return [int(line) for line in out.split()]
 
 
 def epd_shm() -> list[str]:

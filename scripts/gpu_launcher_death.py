@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.bench.launched import LaunchedStack  # noqa: E402
+from pipeline.bench.launched import LaunchedStack, gpu_memory_used_mib  # noqa: E402
 
 STARTED = re.compile(r"started (\S+) \(pid (\d+)")
 MPS = re.compile(r"started the MPS control daemon \(pipe (\S+), pid (\d+)\)")
@@ -68,14 +68,6 @@ def mps_processes() -> list[str]:
         if entry.name.isdigit() and alive(int(entry.name)) and ("nvidia-cuda-mps" in command or "mps_keeper" in command):
             found.append(f"{entry.name} {command}")
     return found
-
-
-def gpu_memory_used_mib(cpu: bool) -> list[int]:
-    if cpu:
-        return [0]
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
-    return [int(line) for line in out.split()]
 
 
 def image_url() -> str:

@@ -122,3 +122,12 @@ def read_json(path: Path):
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+def gpu_memory_used_mib(cpu: bool) -> list[int]:
+    """Each GPU's memory in use, from nvidia-smi ([0] with `cpu`: a dry run on no GPU)."""
+    if cpu:
+        return [0]
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return [int(line) for line in out.split()]
