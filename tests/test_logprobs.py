@@ -259,3 +259,46 @@ def test_echo_repeats_the_input_with_its_logprobs(served, reference):
     assert httpx.post(url + "/v1/chat/completions", timeout=60, json={**user_last, "echo": True}).json()[
         "choices"][0]["message"]["content"] == httpx.post(url + "/v1/chat/completions", timeout=60,
                                                            json=user_last).json()["choices"][0]["message"]["content"]
+
+
+def test_return_token_ids_gives_the_prompt_and_each_choice_as_ids(served):
+    """vLLM's return_token_ids (proxy/token_ids.py): whole and streamed, chat
+    and text completions, n of 2; the ids are /tokenize's for the prompt and
+    detokenize to the answer's text."""
+    import json
+
+    import httpx
+
+    def post(path, body):
+        return httpx.post(served.base_url + path, timeout=60, json=body).json()
+
+    def chunks(path, body):
+        with httpx.stream("POST", served.base_url + path, timeout=60, json={**body, "stream": True}) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    text = {"model": "tiny", "prompt": "One two", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    prompt = post("/tokenize", {"model": "tiny", "prompt": "One two"})["tokens"]
+    whole = post("/v1/completions", {**text, "n": 2})
+    for choice in whole["choices"]:
+        assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 5
+        assert post("/detokenize", {"model": "tiny", "tokens": choice["token_ids"]})["prompt"] == choice["text"]
+    streamed = [c for c in chunks("/v1/completions", {**text, "n": 2}) if c["choices"]]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in streamed if c["choices"][0]["index"] == index]
+        assert mine[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == whole["choices"][index]["token_ids"]   # greedy
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    rendered = post("/tokenize", {"model": "tiny", "messages": chat["messages"]})["tokens"]
+    answer = post("/v1/chat/completions", chat)
+    assert answer["prompt_token_ids"] == rendered and "prompt_token_ids" not in answer["choices"][0]
+    ids = answer["choices"][0]["token_ids"]
+    assert len(ids) == answer["usage"]["completion_tokens"] == 4
+    assert post("/detokenize", {"model": "tiny", "tokens": ids})["prompt"] == answer["choices"][0]["message"]["content"]
+    pieces = chunks("/v1/chat/completions", chat)
+    assert pieces[0]["prompt_token_ids"] == rendered and pieces[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [t for c in pieces[1:] if c["choices"] for t in c["choices"][0]["token_ids"]] == ids
+    plain = post("/v1/chat/completions", {**chat, "return_token_ids": False})
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]

@@ -19,6 +19,7 @@ from dataclasses import replace
 import msgspec
 from aiohttp import web
 
+from pipeline.proxy import token_ids
 from pipeline.proxy.access import MODEL_NAME_KEY, response_id
 from pipeline.proxy.api_types import ApiError
 from pipeline.proxy.flights import Choices, Flight, Work
@@ -92,15 +93,16 @@ class ManyChoices:
         body = response_body(response_id(request, chat), request[MODEL_NAME_KEY], "", firsts[0], chat)
         body["choices"] = choices
         body["usage"] = usage.body()
+        token_ids.add_to_whole(body, flights, chat)
         return web.json_response(prompt_logprobs_at_top(body) if chat else body)
 
     async def _stream_many(self, request, req, flights: list[Flight], firsts, chat: bool):
-        stream = await self._open_stream(request, chat)
+        stream = await self._open_stream(request, chat, flights[0].work)
         if chat:
             for index in range(1, len(flights)):
                 role = stream.chunk({"role": "assistant", "content": ""}, None)
                 role["choices"][0]["index"] = index
-                await stream.send(role)
+                await stream.send(token_ids.add_to_role_chunk(role, flights[index].work))
         merged: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.create_task(self._pump(i, f, d, merged)) for i, (f, d) in enumerate(zip(flights, firsts))]
         try:
@@ -122,7 +124,7 @@ class ManyChoices:
             merged.put_nowait((index, exc))
 
     async def _send_merged(self, stream, req, flights: list[Flight], merged: asyncio.Queue, chat: bool) -> None:
-        offsets = [0] * len(flights)
+        offsets, ids = [0] * len(flights), [token_ids.StreamedIds(f, chat) for f in flights]
         deltas = [ChatDeltas(stream.tools, flight.work.reasoning) for flight in flights]
         echoes = [await self._open_echo(stream, f, i) for i, f in enumerate(flights)]   # sent with the first pieces
         done, usage = 0, Usage(self.prompt_tokens_details)
@@ -143,8 +145,9 @@ class ManyChoices:
                     chat, flights[index], delta, offsets[index], echoes[index])
             if continuous_usage(req):
                 chunk["usage"] = usage_of(delta)
+            ids[index].hold(delta.token_ids)
             if (payload if deltas[index].parses else text) or delta.finished or delta.logprobs:
-                await stream.send(chunk)
+                await stream.send(ids[index].attach(chunk))
                 echoes[index] = None
             if delta.finished:
                 done += 1

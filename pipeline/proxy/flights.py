@@ -39,6 +39,7 @@ class Work:
     echo: Echo | None = None         # what the answer repeats first (proxy/echo.py)
     reasoning: ReasoningSplit | None = None   # how a chat answer splits into reasoning and content
     choices: Choices | None = None   # the n copies of one request (fanout.py); None: n is 1
+    return_token_ids: bool = False   # vLLM's: the answer carries token ids (proxy/token_ids.py)
 
 
 class Choices:

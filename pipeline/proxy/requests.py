@@ -331,7 +331,8 @@ def _work(req, model: ModelInfo, request_id: str, reply_to: str, prompt: Multimo
             for i, (item, tokens) in enumerate(zip(items, item_tokens))]
     as_ids = req.return_tokens_as_token_ids
     return Work(request, jobs, len(ids) + max_tokens, tokens_as_ids=model.tokens_as_ids if as_ids is None else as_ids,
-                prompt_logprobs=req.prompt_logprobs is not None, echo=echo, reasoning=reasoning)
+                prompt_logprobs=req.prompt_logprobs is not None, echo=echo, reasoning=reasoning,
+                return_token_ids=req.return_token_ids)
 
 
 def _held_to(grammar: str, reasoning: ReasoningSplit | None) -> str:

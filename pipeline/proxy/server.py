@@ -12,23 +12,24 @@ import msgspec
 from aiohttp import web
 
 from pipeline import protocol
+from pipeline.proxy import token_ids
 from pipeline.proxy.access import (ARRIVED_KEY, MODEL_NAME_KEY, PARSE_TOOLS_KEY, REQUEST_ID_KEY, AccessPolicy,
                                    add_cors, echo_request_id, error_middleware, response_id)
 from pipeline.proxy.api_types import ApiError, completion_prompts, decode_json, parse_body
 from pipeline.proxy.dispatcher import Dispatcher
 from pipeline.proxy.echo import Echo, echoed_completion_logprobs
 from pipeline.proxy.fanout import ManyChoices, copies
-from pipeline.proxy.flights import Flight
+from pipeline.proxy.flights import Flight, Work
 from pipeline.proxy.logprobs_format import (chat_logprobs, completion_logprobs, entries_of, prompt_logprobs,
                                             token_names)
 from pipeline.proxy.media_fetch import FetchPolicy, guarded_session
 from pipeline.proxy.metrics import ProxyMetrics
+from pipeline.proxy.model_cards import model_routes
 from pipeline.proxy.request_log import log_aborted, log_finished
 from pipeline.proxy.requests import ModelInfo, chat_work, completion_work
 from pipeline.proxy.responses import (ChatDeltas, continuous_usage, error_response, final_usage,
                                      prompt_logprobs_at_top, response_body, usage_of)
 from pipeline.proxy.responses_endpoint import ResponsesEndpoints
-from pipeline.proxy.model_cards import model_routes
 from pipeline.proxy.responses_background import BackgroundRuns
 from pipeline.proxy.responses_store import ResponseStore
 from pipeline.proxy.tokenize import detokenize_handler, tokenize_handler, version_page
@@ -204,13 +205,13 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
                 # Text only: nothing about the input can be rejected from here
                 # on, so the headers and the role chunk go out while the
                 # generator works instead of after its first token.
-                stream = await self._open(request, chat, answer)
+                stream = await self._open(request, chat, answer, work)
                 return await self._streamed(stream, req, flight, await self._next(flight), answer)
             first = await self._next(flight)
             if first.finished and first.error:
                 return error_response(first)   # e.g. a bad image: a 4xx, not a broken stream
             if req.stream:
-                return await self._streamed(await self._open(request, chat, answer), req, flight, first, answer)
+                return await self._streamed(await self._open(request, chat, answer, work), req, flight, first, answer)
             if answer is not None:
                 return await answer.whole(request, flight, first)
             return await self._whole(request, flight, first, chat)
@@ -226,8 +227,8 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
         finally:
             self._clients.pop(rid, None)
 
-    async def _open(self, request, chat: bool, answer):
-        return await (answer.open(request) if answer is not None else self._open_stream(request, chat))
+    async def _open(self, request, chat: bool, answer, work: Work):
+        return await (answer.open(request) if answer is not None else self._open_stream(request, chat, work))
 
     async def _streamed(self, opened, req, flight, delta, answer):
         if answer is not None:
@@ -257,6 +258,7 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
         body = response_body(response_id(request, chat), request[MODEL_NAME_KEY], "", last, chat,
                              details=self.prompt_tokens_details)
         body["choices"] = [choice]
+        token_ids.add_to_whole(body, [flight], chat)
         return web.json_response(prompt_logprobs_at_top(body) if chat else body)
 
     async def _choice(self, request, flight, delta, chat) -> tuple[protocol.TokenDelta, dict]:
@@ -289,25 +291,28 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
             choice["logprobs"] = echoed_completion_logprobs(self.token_names(flight), echo, prompt_entries,
                                                             choice["logprobs"])
 
-    async def _open_stream(self, request, chat) -> _Stream:
+    async def _open_stream(self, request, chat, work: Work) -> _Stream:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         echo_request_id(request, response)
         await response.prepare(request)
         stream = _Stream(response, response_id(request, chat), request[MODEL_NAME_KEY], int(time.time()), chat,
                          tools=request.get(PARSE_TOOLS_KEY, False))
         if chat:
-            await stream.send(stream.chunk({"role": "assistant", "content": ""}, None))
+            await stream.send(token_ids.add_to_role_chunk(stream.chunk({"role": "assistant", "content": ""}, None),
+                                                          work))
         return stream
 
     async def _stream(self, stream: _Stream, req, flight, delta):
         deltas = ChatDeltas(stream.tools, flight.work.reasoning)
         echo = await self._open_echo(stream, flight, 0)   # a text completion's, sent with the first piece
+        ids = token_ids.StreamedIds(flight, stream.chat)
         while True:
             if delta.error:
                 await stream.send(ApiError(delta.error, delta.status or 500).body())
                 break
             text = (echo.text if echo else "") + delta.text
             payload = deltas.delta(delta.text, delta.finished) if stream.chat else text
+            ids.hold(delta.token_ids)
             if (payload if deltas.parses else text) or delta.finished or delta.logprobs:
                 chunk = stream.chunk(payload, deltas.finish_reason(delta.finish_reason) or None, delta.stop_reason)
                 if flight.work.request.sampling.logprobs is not None:
@@ -315,7 +320,7 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
                         stream.chat, flight, delta, stream.text_offset, echo)
                 if continuous_usage(req):
                     chunk["usage"] = usage_of(delta)
-                await stream.send(chunk)
+                await stream.send(ids.attach(chunk))
                 echo = None
             if delta.finished:
                 if final_usage(req, self.force_usage):
