@@ -53,6 +53,19 @@ def request_id_of(request: web.Request) -> str:
     return uuid.uuid4().hex
 
 
+def adopt_body_request_id(request: web.Request, body_id: str | None) -> None:
+    """vLLM's `request_id` body field names the request where the client
+    sent no usable X-Request-Id (the header wins, as in vLLM): the answer's
+    id, the echoed header and the log's request_id."""
+    if body_id is None:
+        return
+    if not (body_id and len(body_id) <= MAX_REQUEST_ID and body_id.isprintable()):
+        raise ApiError(f"request_id must be 1 to {MAX_REQUEST_ID} printable characters", param="request_id")
+    given = request.headers.get(REQUEST_ID, "")
+    if not (given and len(given) <= MAX_REQUEST_ID and given.isprintable()):
+        request[REQUEST_ID_KEY] = body_id
+
+
 def response_id(request: web.Request, chat: bool) -> str:
     """The `id` of an answer, as vLLM names it: chatcmpl- or cmpl- and the
     request's X-Request-Id (the client's, else ours), so that a client can
@@ -91,7 +104,7 @@ def error_middleware(policy: AccessPolicy):
             log.exception("request %s (%s %s) failed", request_id, request.method, request.path)
             response = _json_error(ApiError(f"internal server error (request id {request_id})", 500))
         if not response.prepared:   # a stream already sent its headers, with the id (see echo_request_id)
-            response.headers[REQUEST_ID] = request_id
+            response.headers[REQUEST_ID] = request[REQUEST_ID_KEY]   # the body's request_id may have named it
         return response
 
     return middleware

@@ -156,6 +156,7 @@ class SamplingFields(msgspec.Struct):
     allowed_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool | None = None   # logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False   # the answer carries its prompt's and its tokens' ids (proxy/token_ids.py)
+    request_id: str | None = None   # vLLM's: names the request where no X-Request-Id came (proxy/access.py)
     bad_words: list[str] | None = None   # never written (proxy/sampling_fields.py)
     truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens (-1: the context's length)
     priority: int = 0   # vLLM's: lower first, with --scheduling-policy priority

@@ -14,12 +14,13 @@ from aiohttp import web
 from pipeline import protocol
 from pipeline.proxy import token_ids
 from pipeline.proxy.access import (ARRIVED_KEY, MODEL_NAME_KEY, PARSE_TOOLS_KEY, REQUEST_ID_KEY, AccessPolicy,
-                                   add_cors, echo_request_id, error_middleware, response_id)
-from pipeline.proxy.api_types import ApiError, completion_prompts, decode_json, parse_body
+                                   add_cors, adopt_body_request_id, echo_request_id, error_middleware, response_id)
+from pipeline.proxy.api_types import ApiError, completion_prompts, parse_body
 from pipeline.proxy.dispatcher import Dispatcher
 from pipeline.proxy.echo import Echo, echoed_completion_logprobs
 from pipeline.proxy.fanout import ManyChoices, copies
 from pipeline.proxy.flights import Flight, Work
+from pipeline.proxy.invocations import invocations_handler
 from pipeline.proxy.logprobs_format import (chat_logprobs, completion_logprobs, entries_of, prompt_logprobs,
                                             token_names)
 from pipeline.proxy.media_fetch import FetchPolicy, guarded_session
@@ -76,7 +77,7 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
                         *model_routes(self.model), web.get("/health", self.health),
                         # SageMaker's routes, as vllm serve has them: a health check, and either API by its body.
                         web.get("/ping", self.health), web.post("/ping", self.health),
-                        web.post("/invocations", self.invocations),
+                        web.post("/invocations", invocations_handler(self)),
                         web.get("/metrics", self.metrics_page), web.get("/version", version_page),
                         web.get("/load", self.load),
                         web.post("/tokenize", tokenize_handler(self.model)),
@@ -145,6 +146,7 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = parse_body(await request.read(), "chat")
+        adopt_body_request_id(request, req.request_id)
         request[MODEL_NAME_KEY] = self.model.check_name(req.model)
         rid = "chatcmpl-" + self.dispatcher.new_request_id()
         work = await chat_work(req, self.model, self.policy, rid, self.dispatcher.address, self.session)
@@ -157,6 +159,7 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_body(await request.read(), "completion")
         prompts = completion_prompts(req.prompt)   # a 400 for a bad one, before the model's name (as before)
+        adopt_body_request_id(request, req.request_id)
         request[MODEL_NAME_KEY] = self.model.check_name(req.model)
         rid = "cmpl-" + self.dispatcher.new_request_id()
         works = [await completion_work(req, self.model, rid if len(prompts) == 1 else f"{rid}.p{k}",
@@ -166,16 +169,6 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
         if len(works) > 1 or req.n > 1:   # choices prompt by prompt, n each, as vLLM numbers them
             return await self._serve_many(request, req, [c for w in works for c in copies(w, req.n)], chat=False)
         return await self._serve(request, req, works[0], chat=False)
-
-    async def invocations(self, request: web.Request) -> web.StreamResponse:
-        """Chat if the body has `messages`, a text completion if it has `prompt`."""
-        kind = decode_json(await request.read(), _InvocationKind)   # aiohttp keeps the body for the handler
-        if bytes(kind.messages) not in (b"", b"null"):
-            return await self.chat(request)
-        if bytes(kind.prompt) not in (b"", b"null"):
-            return await self.completions(request)
-        raise ApiError("/invocations takes a chat (messages) or a text completion (prompt) body",
-                       param="messages")
 
     async def health(self, request: web.Request) -> web.Response:
         if self.dispatcher.healthy():
@@ -366,12 +359,6 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
         now = time.monotonic()
         self.metrics.finished(flight, delta, now)
         log_finished(flight, delta, now)
-
-
-class _InvocationKind(msgspec.Struct):
-    """Which fields a body has, read as they are (empty: absent)."""
-    messages: msgspec.Raw = msgspec.Raw()
-    prompt: msgspec.Raw = msgspec.Raw()
 
 
 @dataclass
