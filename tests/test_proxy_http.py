@@ -45,7 +45,27 @@ REFUSED = {
     "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
     "verbosity": "low", "store": True, "service_tier": "flex",
+    "vllm_xargs": {"k": 1}, "use_beam_search": True, "length_penalty": 0.5, "kv_transfer_params": {"do_remote_decode": True},
 }
+
+
+def test_a_field_no_api_defines_is_ignored_with_one_warning_per_set_of_names(caplog):
+    import json
+
+    from pipeline.proxy.ignored_fields import _warn
+
+    _warn.cache_clear()
+    body = chat_body(zz_newer_field=1, aa_other={"x": [1, 2]})
+    with caplog.at_level("WARNING", logger="epd.proxy"):
+        for _ in range(3):
+            req = parse_body(json.dumps(body).encode(), "chat")
+    assert req.max_tokens == 4   # the rest of the request as sent
+    lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert lines == ["the following fields were present in the request but ignored (no API served here defines "
+                     "them): aa_other, zz_newer_field (ChatCompletionRequest)"]
+    with caplog.at_level("WARNING", logger="epd.proxy"):
+        parse_body(json.dumps(chat_body(logprobs=True)).encode(), "chat")   # every field known: no line
+    assert len([r for r in caplog.records if "ignored" in r.getMessage()]) == 1
 
 
 def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
@@ -61,7 +81,8 @@ def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():
     neutral = dict(tools=[], tool_choice="none", logprobs=False, top_logprobs=0,
                    best_of=1, parallel_tool_calls=True, modalities=["text"], verbosity="medium", store=False,
                    service_tier="auto", audio=None, user="u-1", safety_identifier="s", prompt_cache_key="k",
-                   metadata={"team": "a"}, reasoning_effort="low")
+                   metadata={"team": "a"}, reasoning_effort="low", use_beam_search=False, length_penalty=1.0,
+                   vllm_xargs=None, kv_transfer_params=None)
     parse_body(json.dumps(chat_body(**neutral)).encode(), "chat")
     for field, value in (("reasoning_effort", "extreme"), ("metadata", {str(i): "v" for i in range(17)}),
                          ("metadata", {"k": 1})):

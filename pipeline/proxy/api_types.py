@@ -15,6 +15,7 @@ from typing import Literal
 import msgspec
 
 from pipeline.arg_parser import json_object
+from pipeline.proxy.ignored_fields import warn_ignored
 from pipeline.sampling_params import MAX_SEED
 
 
@@ -162,6 +163,10 @@ class SamplingFields(msgspec.Struct):
     priority: int = 0   # vLLM's: lower first, with --scheduling-policy priority
     # vLLM's own fields accepted only at their defaults (NOT_YET_SUPPORTED).
     logits_processors: list | None = None
+    vllm_xargs: dict | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0   # beam search's
+    kv_transfer_params: dict | None = None
     # vLLM's: only requests with the same salt share prefix-cached KV blocks.
     cache_salt: str | None = None
     user: str | None = None   # OpenAI's end-user id: nothing here is per user
@@ -218,7 +223,9 @@ NOT_YET_SUPPORTED = {
     "functions": _neutral, "function_call": lambda v: v in (None, "none"),   # the legacy form of tools
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: not v,
-    "logits_processors": _neutral,
+    "logits_processors": _neutral, "vllm_xargs": _neutral,
+    "use_beam_search": _neutral, "length_penalty": lambda v: v == 1.0,
+    "kv_transfer_params": _neutral,   # vLLM's prefill/decode KV connectors
     # OpenAI's chat fields for what the models served here do not have.
     "modalities": lambda v: v is None or v == ["text"],
     "audio": lambda v: v is None,
@@ -234,6 +241,10 @@ _REFUSAL_HINTS = {
     "verbosity": "the models served here take no verbosity (leave it unset or medium)",
     "store": "chat completions are not stored here",
     "service_tier": "this server has one tier (auto or default)",
+    "vllm_xargs": "no custom logits processors are loaded here",
+    "use_beam_search": "beam search is not served; ask for n choices instead",
+    "length_penalty": "it weighs beam search, which is not served",
+    "kv_transfer_params": "KV caches are not moved between servers here (EPD moves image embeddings)",
 }
 # reasoning_effort's values (chat's, and the Responses API's reasoning.effort).
 EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -298,6 +309,7 @@ def parse_body(body: bytes, kind: Literal["chat", "completion"]):
         request = decode_json(body, ChatCompletionRequest, _chat_decoder)
     else:
         request = decode_json(body, CompletionRequest, _completion_decoder)
+    warn_ignored(body, type(request))
     if not 1 <= request.n <= MAX_N:
         raise ApiError(f"n must be in [1, {MAX_N}], got {request.n}", param="n")
     if (field := refused_field(request)) is not None:

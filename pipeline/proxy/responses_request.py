@@ -26,6 +26,7 @@ import msgspec
 
 from pipeline.proxy.api_types import (EFFORTS, ApiError, ChatCompletionRequest, MediaProcessorKwargs,
                                       StructuredOutputs, decode_json)
+from pipeline.proxy.ignored_fields import warn_ignored
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -104,6 +105,7 @@ _SERVICE_TIERS = (None, "auto", "default")
 
 def parse_responses_body(body: bytes) -> ResponsesRequest:
     req = decode_json(body, ResponsesRequest)
+    warn_ignored(body, ResponsesRequest)
     if req.input is None or req.input == "" or req.input == []:
         raise ApiError("input must be a non-empty string or list of items", param="input")
     for name, what in _REFUSED.items():
