@@ -65,7 +65,8 @@ def mps_processes() -> list[str]:
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
-        if entry.name.isdigit() and alive(int(entry.name)) and ("nvidia-cuda-mps" in command or "mps_keeper" in command):
+        ours = "nvidia-cuda-mps" in command or "mps_keeper" in command
+        if entry.name.isdigit() and ours and alive(int(entry.name)):
             found.append(f"{entry.name} {command}")
     return found
 

@@ -45,7 +45,8 @@ REFUSED = {
     "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
     "verbosity": "low", "store": True, "service_tier": "flex",
-    "vllm_xargs": {"k": 1}, "use_beam_search": True, "length_penalty": 0.5, "kv_transfer_params": {"do_remote_decode": True},
+    "vllm_xargs": {"k": 1}, "use_beam_search": True, "length_penalty": 0.5,
+    "kv_transfer_params": {"do_remote_decode": True},
 }
 
 
@@ -131,7 +132,8 @@ def test_model_names_and_the_404_for_others(tiny_dir, tmp_path):
         assert all(m["root"] == "tiny" for m in models["data"])
         assert await (await client.get("/v1/models/qwen-b")).json() == models["data"][1]
         missing = await client.get("/v1/models/tiny")
-        assert missing.status == 404 and (await missing.json())["error"]["message"] == "The model `tiny` does not exist."
+        assert missing.status == 404
+        assert (await missing.json())["error"]["message"] == "The model `tiny` does not exist."
         r = await client.post("/tokenize", json={"model": "tiny", "prompt": "x"})
         assert r.status == 404   # --served-model-name replaces the default name
 

@@ -93,7 +93,8 @@ def test_cors_and_load_tracking_reach_the_proxy_also_from_a_config_file(tiny_dir
     from stages.proxy import parse_args as proxy_args
     parsed = proxy_args(proxy)
     assert (parsed.allowed_methods, parsed.allowed_headers) == (["GET", "POST"], ["X-A"])
-    assert parsed.allow_credentials and parsed.enable_server_load_tracking and parsed.exclude_tools_when_tool_choice_none
+    assert parsed.allow_credentials and parsed.enable_server_load_tracking
+    assert parsed.exclude_tools_when_tool_choice_none
     result = launch(str(tiny_dir), "--allowed-methods", "GET")
     assert result.returncode == 2 and "JSON list" in result.stderr
     result = launch(str(tiny_dir), "--structured-outputs-config", '{"backend": "xgrammar"}')

@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.launch.mps import (LOG_VAR, PID_FILE, PIPE_VAR, MpsError, daemon_alive, kill_pid, read_pid, run_folder_lock,
-                                 send_quit, wait_exit)
+from pipeline.launch.mps import (LOG_VAR, PID_FILE, PIPE_VAR, MpsError, daemon_alive, kill_pid, read_pid,
+                                 run_folder_lock, send_quit, wait_exit)
 from pipeline.launcher_watch import LAUNCHER_PID_ENV
 
 CHECK_S = 0.5
