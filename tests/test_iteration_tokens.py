@@ -4,7 +4,8 @@ and the per-request choice counts behind vllm:request_params_n."""
 
 from __future__ import annotations
 
-from pipeline.engine.step_profile import ITERATION_TOKEN_BOUNDS, StepProfile
+from pipeline.engine.step_profile import StepProfile
+from pipeline.protocol import ITERATION_TOKEN_BOUNDS
 from pipeline.proxy.flights import Choices
 from pipeline.proxy.vllm_metrics import _iteration_buckets
 

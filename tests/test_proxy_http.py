@@ -53,6 +53,8 @@ REFUSED = {
 def test_a_field_no_api_defines_is_ignored_with_one_warning_per_set_of_names(caplog):
     import json
 
+    import pipeline.proxy.api_types as api
+
     from pipeline.proxy.ignored_fields import _warn
 
     _warn.cache_clear()
@@ -67,6 +69,12 @@ def test_a_field_no_api_defines_is_ignored_with_one_warning_per_set_of_names(cap
     with caplog.at_level("WARNING", logger="epd.proxy"):
         parse_body(json.dumps(chat_body(logprobs=True)).encode(), "chat")   # every field known: no line
     assert len([r for r in caplog.records if "ignored" in r.getMessage()]) == 1
+    from pipeline.proxy.responses_request import parse_responses_body
+    with caplog.at_level("WARNING", logger="epd.proxy"):
+        assert parse_responses_body(json.dumps({"input": "hi", "zz_newer": 1}).encode()).input == "hi"
+    assert caplog.records[-1].getMessage().endswith("zz_newer (ResponsesRequest)")
+    with pytest.raises(api.ApiError, match="unknown field"):   # a nested Struct that forbids them still does
+        parse_body(json.dumps(chat_body(structured_outputs={"regex": "a", "typo": 1})).encode(), "chat")
 
 
 def test_every_field_not_acted_on_is_refused_by_name_and_neutral_values_pass():

@@ -18,10 +18,9 @@ import bisect
 import time
 from collections import defaultdict
 
+from pipeline.protocol import ITERATION_TOKEN_BOUNDS
+
 PHASES = ("schedule", "encode", "forward", "update")
-# Upper bounds of the tokens-per-step buckets: vLLM's for
-# vllm:iteration_tokens_total (its list where no CUDA graph sizes apply).
-ITERATION_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def step_kind(num_tokens: int, num_seqs: int, encodes: int) -> str:

@@ -15,7 +15,7 @@ from typing import Literal
 import msgspec
 
 from pipeline.arg_parser import json_object
-from pipeline.proxy.ignored_fields import warn_ignored
+from pipeline.proxy.ignored_fields import decode_warning_of_unknown
 from pipeline.sampling_params import MAX_SEED
 
 
@@ -294,9 +294,25 @@ _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
 
-def decode_json(body: bytes, kind, decoder: msgspec.json.Decoder | None = None):
-    """A request body as Struct `kind`; a 400 naming what is wrong otherwise."""
+class _StrictChat(ChatCompletionRequest, forbid_unknown_fields=True):
+    """ChatCompletionRequest that refuses a field it lacks (ignored_fields.py)."""
+
+
+class _StrictCompletion(CompletionRequest, forbid_unknown_fields=True):
+    """CompletionRequest that refuses a field it lacks (ignored_fields.py)."""
+
+
+_BODIES = {"chat": (msgspec.json.Decoder(_StrictChat), _chat_decoder, ChatCompletionRequest),
+           "completion": (msgspec.json.Decoder(_StrictCompletion), _completion_decoder, CompletionRequest)}
+
+
+def decode_json(body: bytes, kind, decoder: msgspec.json.Decoder | None = None, strict=None):
+    """A request body as Struct `kind`; a 400 naming what is wrong otherwise.
+    With `strict` (its decoder that forbids unknown fields), a field `kind`
+    lacks is ignored with a warning (ignored_fields.py)."""
     try:
+        if strict is not None:
+            return decode_warning_of_unknown(body, strict, decoder, kind)
         return (decoder or msgspec.json.Decoder(kind)).decode(body)
     except msgspec.ValidationError as exc:
         raise ApiError(f"invalid request: {exc}") from None
@@ -305,11 +321,8 @@ def decode_json(body: bytes, kind, decoder: msgspec.json.Decoder | None = None):
 
 
 def parse_body(body: bytes, kind: Literal["chat", "completion"]):
-    if kind == "chat":
-        request = decode_json(body, ChatCompletionRequest, _chat_decoder)
-    else:
-        request = decode_json(body, CompletionRequest, _completion_decoder)
-    warn_ignored(body, type(request))
+    strict, lenient, struct = _BODIES[kind]
+    request = decode_json(body, struct, lenient, strict)
     if not 1 <= request.n <= MAX_N:
         raise ApiError(f"n must be in [1, {MAX_N}], got {request.n}", param="n")
     if (field := refused_field(request)) is not None:

@@ -19,6 +19,22 @@ log = logging.getLogger("epd.proxy")
 _top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])   # the keys only: values are not decoded
 
 
+def decode_warning_of_unknown(body: bytes, strict: msgspec.json.Decoder, lenient: msgspec.json.Decoder,
+                              kind: type[msgspec.Struct]):
+    """The body as `kind`. `strict` decodes a subclass of it that forbids
+    unknown fields: one decode for a body with none, the common case. Only
+    a body with some is read again, for their names, and then leniently.
+    Raises msgspec's errors as they come (a nested Struct that forbids
+    unknown fields still refuses them)."""
+    try:
+        return strict.decode(body)
+    except msgspec.ValidationError as exc:
+        if not str(exc).startswith("Object contains unknown field"):
+            raise
+    warn_ignored(body, kind)
+    return lenient.decode(body)
+
+
 def warn_ignored(body: bytes, kind: type[msgspec.Struct]) -> tuple[str, ...]:
     """The body's top-level fields that `kind` does not have (sorted), warned about once per set."""
     try:

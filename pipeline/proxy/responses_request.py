@@ -26,7 +26,6 @@ import msgspec
 
 from pipeline.proxy.api_types import (EFFORTS, ApiError, ChatCompletionRequest, MediaProcessorKwargs,
                                       StructuredOutputs, decode_json)
-from pipeline.proxy.ignored_fields import warn_ignored
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -103,9 +102,15 @@ _REFUSED = {"prompt": "stored prompts", "conversation": "stored conversations", 
 _SERVICE_TIERS = (None, "auto", "default")
 
 
+class _StrictResponses(ResponsesRequest, forbid_unknown_fields=True):
+    """ResponsesRequest that refuses a field it lacks (ignored_fields.py)."""
+
+
+_STRICT, _LENIENT = msgspec.json.Decoder(_StrictResponses), msgspec.json.Decoder(ResponsesRequest)
+
+
 def parse_responses_body(body: bytes) -> ResponsesRequest:
-    req = decode_json(body, ResponsesRequest)
-    warn_ignored(body, ResponsesRequest)
+    req = decode_json(body, ResponsesRequest, _LENIENT, _STRICT)
     if req.input is None or req.input == "" or req.input == []:
         raise ApiError("input must be a non-empty string or list of items", param="input")
     for name, what in _REFUSED.items():
