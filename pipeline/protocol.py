@@ -288,13 +288,6 @@ class StageStats(_Msg, tag="stats"):
     incarnation: str = ""
 
 
-# A generator's "iteration_tokens.B" counters (engine/step_profile.py): steps
-# that ran at most B tokens and more than the bound before (B "inf": more than
-# the last). vLLM's bounds for vllm:iteration_tokens_total, where no CUDA
-# graph sizes apply; the proxy builds that histogram from them.
-ITERATION_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-
-
 def new_incarnation() -> str:
     """An id for this process's StageStats.incarnation."""
     return uuid.uuid4().hex[:16]

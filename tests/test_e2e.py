@@ -342,7 +342,14 @@ def test_vllm_named_series_are_served(epd):
     assert histogram("vllm:request_max_num_generation_tokens") == (most_before[0] + 1, most_before[1] + 5)
 
     # Per engine: tokens per step (their sum is the steps' tokens), and the KV cache's configuration.
-    everything = {f.name: f for f in text_string_to_metric_families(httpx.get(epd.base_url + "/metrics").text)}
+    def scrape():
+        return {f.name: f for f in text_string_to_metric_families(httpx.get(epd.base_url + "/metrics").text)}
+
+    def when_caught_up():   # the stages' stats are polled: wait for a scrape that has the long request's steps
+        found = scrape()
+        return found if sum(s.value for s in found["epd_generator_step_tokens"].samples) >= long_tokens else None
+
+    everything = until(when_caught_up, "the steps' tokens of the long request in the stats", deadline_s=15)
     steps = everything["vllm:iteration_tokens_total"]
     assert steps.type == "histogram" and {s.labels["engine"] for s in steps.samples} == {"0", "1", "2"}
     step_sum = sum(s.value for s in steps.samples if s.name.endswith("_sum"))

@@ -262,7 +262,7 @@ class Engine:
         cached = {"prefix_cache_queries": prefix.queries, "prefix_cache_hits": prefix.hits} if prefix else {}
         return {"yields": stats["yields_total"], "preemptions": stats["preemptions_total"],
                 "decode_ahead_steps": self.ahead.steps, "prefill_held_steps": self.pacer.held_steps,
-                **cached, **self.profile.counters()}
+                **cached, **self.profile.counters(), **self.profile.iteration_counters()}
 
     # ------------------------------------------------------------------ step
 

@@ -7,9 +7,9 @@ timed in phases with time.perf_counter (the forward's phase ends when the
 sampled tokens reach the host, so it includes the GPU's time) and summed
 per kind of step; `window()` returns the sums since the last call and
 starts a new window. `counters()` are running totals since start (steps,
-tokens and microseconds per kind, and how many steps ran how many tokens,
-in ITERATION_TOKEN_BOUNDS' buckets), which /metrics exports as Prometheus
-counters. Recording costs a few dictionary updates per step.
+tokens and microseconds per kind; `iteration_counters()`: how many steps
+ran how many tokens, in ITERATION_TOKEN_BOUNDS' buckets), which /metrics
+exports as Prometheus counters. Recording costs a few dictionary updates per step.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import bisect
 import time
 from collections import defaultdict
 
-from pipeline.protocol import ITERATION_TOKEN_BOUNDS
-
 PHASES = ("schedule", "encode", "forward", "update")
+# Upper bounds of the tokens-per-step buckets: vLLM's for
+# vllm:iteration_tokens_total (its list where no CUDA graph sizes apply).
+ITERATION_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def step_kind(num_tokens: int, num_seqs: int, encodes: int) -> str:
@@ -60,17 +61,18 @@ class StepProfile:
         self._totals[kind][2] += seconds
 
     def counters(self) -> dict[str, int]:
-        """{"steps.KIND", "step_tokens.KIND", "step_us.KIND": running totals;
-        "iteration_tokens.B": steps that ran tokens in bucket B (at most
-        bound B and more than the one before; B "inf" past the last), for
-        the buckets that have any}."""
+        """{"steps.KIND", "step_tokens.KIND", "step_us.KIND": running totals}."""
         out = {}
         for kind, (steps, tokens, seconds) in self._totals.items():
             out.update({f"steps.{kind}": steps, f"step_tokens.{kind}": tokens, f"step_us.{kind}": int(seconds * 1e6)})
-        for bound, steps in zip((*map(str, ITERATION_TOKEN_BOUNDS), "inf"), self._by_tokens):
-            if steps:   # an empty bucket reads as 0 where it is exported
-                out[f"iteration_tokens.{bound}"] = steps
         return out
+
+    def iteration_counters(self) -> dict[str, int]:
+        """{"iteration_tokens.B": the steps that ran at most B tokens and
+        more than the bound before (B "inf": more than the last)}, every
+        bucket: the proxy reads the bounds from the names."""
+        return {f"iteration_tokens.{bound}": steps
+                for bound, steps in zip((*map(str, ITERATION_TOKEN_BOUNDS), "inf"), self._by_tokens)}
 
     def window(self) -> dict:
         """{"seconds": window length, "outside_share": ..., kind: {"steps",

@@ -29,7 +29,6 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from pipeline.protocol import ITERATION_TOKEN_BOUNDS
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -153,12 +152,17 @@ def engine_series(stats: list, model_name: str):
 
 
 def _iteration_buckets(counters: dict) -> tuple[list[tuple[str, float]], float]:
-    """A generator's steps-per-token-bucket counters (step_profile.py) as a
-    histogram's cumulative buckets and its sum (the tokens of every step)."""
+    """A generator's steps-per-token-bucket counters ("iteration_tokens.B",
+    every bucket, its bound B in its name) as a histogram's cumulative
+    buckets and its sum (the tokens of every step)."""
+    prefix = "iteration_tokens."
+    counts = {float(k[len(prefix):]): v for k, v in counters.items() if k.startswith(prefix)}   # "inf" reads as inf
     buckets, seen = [], 0
-    for bound in (*ITERATION_TOKEN_BOUNDS, "inf"):
-        seen += counters.get(f"iteration_tokens.{bound}", 0)
-        buckets.append(("+Inf" if bound == "inf" else str(float(bound)), seen))
+    for bound in sorted(counts):
+        seen += counts[bound]
+        buckets.append(("+Inf" if bound == float("inf") else str(bound), seen))
+    if not buckets or buckets[-1][0] != "+Inf":
+        buckets.append(("+Inf", seen))
     total = sum(v for k, v in counters.items() if k.startswith("step_tokens."))
     return buckets, total
 
