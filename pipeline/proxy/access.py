@@ -48,9 +48,11 @@ class AccessPolicy:
 def request_id_of(request: web.Request) -> str:
     """The client's X-Request-Id when it sent a usable one, else a new one."""
     given = request.headers.get(REQUEST_ID, "")
-    if given and len(given) <= MAX_REQUEST_ID and given.isprintable():
-        return given
-    return uuid.uuid4().hex
+    return given if _usable_id(given) else uuid.uuid4().hex
+
+
+def _usable_id(text: str) -> bool:
+    return bool(text) and len(text) <= MAX_REQUEST_ID and text.isprintable()
 
 
 def adopt_body_request_id(request: web.Request, body_id: str | None) -> None:
@@ -59,10 +61,9 @@ def adopt_body_request_id(request: web.Request, body_id: str | None) -> None:
     id, the echoed header and the log's request_id."""
     if body_id is None:
         return
-    if not (body_id and len(body_id) <= MAX_REQUEST_ID and body_id.isprintable()):
+    if not _usable_id(body_id):
         raise ApiError(f"request_id must be 1 to {MAX_REQUEST_ID} printable characters", param="request_id")
-    given = request.headers.get(REQUEST_ID, "")
-    if not (given and len(given) <= MAX_REQUEST_ID and given.isprintable()):
+    if not _usable_id(request.headers.get(REQUEST_ID, "")):
         request[REQUEST_ID_KEY] = body_id
 
 
