@@ -191,7 +191,8 @@ def chat_template_arg(value: str | None) -> str | None:
         raise ValueError(f"--chat-template {value}: {exc.strerror or exc}") from None
 
 
-def build_app(args: argparse.Namespace) -> web.Application:
+def model_info(args: argparse.Namespace) -> ModelInfo:
+    """What the proxy knows of the model these flags serve: its processor, limits and defaults."""
     model_dir = args.model or default_model_dir()
     family, config = load_config(model_dir)
     spec = family.spec(config)
@@ -201,7 +202,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     if args.max_model_len is not None and not 1 <= args.max_model_len <= spec.language.max_context:
         raise ValueError(f"--max-model-len {args.max_model_len}: this checkpoint takes 1 to "
                          f"{spec.language.max_context} tokens")
-    model = ModelInfo(model_id, processor, args.max_model_len or spec.language.max_context,
+    return ModelInfo(model_id, processor, args.max_model_len or spec.language.max_context,
                       media_salt(model_id, processor.image_config.settings_key()),
                       aggregated=args.mode == "aggregated", max_images=args.max_images,
                       served_names=tuple(args.served_model_name or ()),
@@ -214,6 +215,10 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       tokens_as_ids=args.return_tokens_as_token_ids,
                       content_format=args.chat_template_content_format,
                       exclude_tools_when_none=args.exclude_tools_when_tool_choice_none)
+
+
+def build_app(args: argparse.Namespace) -> web.Application:
+    model = model_info(args)
     address = args.address or transport.ipc_address(f"proxy-{args.port}")
     dispatcher = Dispatcher(zmq.asyncio.Context(), address, args.encoders, args.generators,
                             args.mode == "aggregated", args.max_in_flight, args.stage_timeout,

@@ -19,7 +19,7 @@ from pipeline.processing.chat_template import ChatTemplate
 from pipeline.processing.image import ImageDecodeError, check_source_size, read_image_size
 from pipeline.processing.content_format import flattened
 from pipeline.processing.processor import MultimodalPrompt, Processor
-from pipeline.processing.video import VideoOptions
+from pipeline.processing.video import VideoOptions, VideoPlan
 from pipeline.proxy.api_types import (
     ApiError,
     ChatCompletionRequest,
@@ -132,6 +132,35 @@ async def fetch_all(media: list[tuple[str, str]], policy: FetchPolicy, session=N
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
+@dataclass(frozen=True)
+class ChatMedia:
+    """A chat's images and videos, fetched and read as far as their headers:
+    what its prompt's placeholders expand by."""
+    kinds: list[str]              # "image" or "video", in message order
+    data: list[bytes]
+    sizes: list[tuple[int, int]]  # each image's (height, width)
+    plans: list[VideoPlan]        # each video's sampling
+    options: VideoOptions | None  # the request's fps or num_frames
+
+
+async def chat_media(media: list[tuple[str, str]], req, model: ModelInfo, policy: FetchPolicy,
+                     session=None) -> ChatMedia:
+    """Each (kind, URL) fetched and checked (a 400 for too many, or for one
+    that is bad or too large); `req`: its mm_processor_kwargs sample videos."""
+    if len(media) > model.max_images:
+        raise ApiError(f"too many images and videos: {len(media)} (at most {model.max_images} per request)",
+                       param="messages")
+    fetched = await fetch_all(media, policy, session)
+    kinds = [kind for kind, _ in media]
+    images = [data for kind, data in zip(kinds, fetched) if kind == "image"]
+    videos = [data for kind, data in zip(kinds, fetched) if kind == "video"]
+    sizes = [_checked_size(i, data, model) for i, data in enumerate(images, start=1)]
+    options = video_options(req) if videos else None
+    cfg = model.processor.video_config
+    plans = [checked_plan(i, data, cfg, options, model.video_limits) for i, data in enumerate(videos, start=1)]
+    return ChatMedia(kinds, fetched, sizes, plans, options)
+
+
 async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchPolicy, request_id: str,
                     reply_to: str, session=None) -> Work:
     tools = tool_request(req)
@@ -142,33 +171,25 @@ async def chat_work(req: ChatCompletionRequest, model: ModelInfo, policy: FetchP
     check_template_takes(template, tools, messages, req.documents)
     messages = model.content_for(template, messages, tools.template_tools is not None)
     grammar = forced_grammar(tools, model.tag_tokens) if tools.forced else ""
-    if len(media) > model.max_images:
-        raise ApiError(f"too many images and videos: {len(media)} (at most {model.max_images} per request)",
-                       param="messages")
     # reasoning_effort's variables, under the request's own chat_template_kwargs.
     template_kwargs = model.template_kwargs_for({**effort_variables(req.reasoning_effort),
                                                  **(req.chat_template_kwargs or {})})
-    fetched = await fetch_all(media, policy, session)
-    kinds = [kind for kind, _ in media]
-    images = [data for kind, data in zip(kinds, fetched) if kind == "image"]
-    videos = [data for kind, data in zip(kinds, fetched) if kind == "video"]
-    sizes = [_checked_size(i, data, model) for i, data in enumerate(images, start=1)]
-    options = video_options(req) if videos else None
-    cfg = model.processor.video_config
-    plans = [checked_plan(i, data, cfg, options, model.video_limits) for i, data in enumerate(videos, start=1)]
+    found = await chat_media(media, req, model, policy, session)
     try:
         # Inline, not in a thread: rendering and tokenizing a prompt takes far
         # less than a thread hop costs under the GIL.
-        prompt = model.processor.chat_prompt(messages, sizes, plans, tools.template_tools,
+        prompt = model.processor.chat_prompt(messages, found.sizes, found.plans, tools.template_tools,
                                              req.add_generation_prompt, template_kwargs,
                                              req.continue_final_message, req.add_special_tokens, req.documents,
                                              template)
     except (ValueError, jinja2.TemplateError) as exc:
         raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
     # Items in prompt order are the media in message order.
-    keys = [video_key(data, model.model_id, cfg, options) if kind == "video" else content_hash(data, model.salt)
-            for kind, data in zip(kinds, fetched)]
-    items = [_Item(kind, data, key) for kind, data, key in zip(kinds, fetched, keys)]
+    cfg = model.processor.video_config
+    keys = [video_key(data, model.model_id, cfg, found.options) if kind == "video" else content_hash(data, model.salt)
+            for kind, data in zip(found.kinds, found.data)]
+    items = [_Item(kind, data, key) for kind, data, key in zip(found.kinds, found.data, keys)]
+    options = found.options
     reasoning = (model.reasoning.for_request(prompt.token_ids, template_kwargs, req.include_reasoning)
                  if model.reasoning is not None else None)
     return _work(req, model, request_id, reply_to, prompt, items, options, grammar, chat_echo(req), reasoning)

@@ -80,7 +80,7 @@ class ProxyApp(ManyChoices, ResponsesEndpoints):
                         web.post("/invocations", invocations_handler(self)),
                         web.get("/metrics", self.metrics_page), web.get("/version", version_page),
                         web.get("/load", self.load),
-                        web.post("/tokenize", tokenize_handler(self.model)),
+                        web.post("/tokenize", tokenize_handler(self)),
                         web.post("/detokenize", detokenize_handler(self.model)), *self.responses_routes()])
         add_cors(app, self.access)
         app.on_startup.append(self._start)

@@ -8,8 +8,14 @@ import jinja2
 import msgspec
 from aiohttp import web
 
-from pipeline.proxy.api_types import ApiError, ChatMessage, check_template_kwargs, decode_json
-from pipeline.proxy.requests import ModelInfo, check_template_takes, plain_messages
+from pipeline.proxy.api_types import (
+    ApiError,
+    ChatMessage,
+    MediaProcessorKwargs,
+    check_template_kwargs,
+    decode_json,
+)
+from pipeline.proxy.requests import ModelInfo, chat_media, check_template_takes, plain_messages
 from pipeline.proxy.tools import tool_request
 
 
@@ -24,6 +30,7 @@ class TokenizeRequest(msgspec.Struct):
     tools: list | None = None            # function definitions for the chat template
     chat_template_kwargs: dict[str, object] | None = None   # more template variables, as on chat completions
     return_token_strs: bool = False      # vLLM's: the tokens' strings too
+    mm_processor_kwargs: MediaProcessorKwargs | None = None   # a video's fps or num_frames, as on chat completions
 
 
 class DetokenizeRequest(msgspec.Struct):
@@ -42,8 +49,13 @@ async def version_page(request: web.Request) -> web.Response:
     return web.json_response({"version": version()})
 
 
-def tokenize_handler(model: ModelInfo):
+def tokenize_handler(app):
+    """/tokenize for `app` (a ProxyApp: its model, and its media fetch policy
+    and session). A chat's images and videos are fetched and read as a chat
+    completion's are: its tokens are the prompt the model sees, each
+    placeholder expanded to its media's tokens (vLLM counts each as one)."""
     async def tokenize(request: web.Request) -> web.Response:
+        model: ModelInfo = app.model
         req = decode_json(await request.read(), TokenizeRequest)
         model.check_name(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -51,29 +63,32 @@ def tokenize_handler(model: ModelInfo):
         if req.prompt is not None:
             tokens = model.processor.tokenizer.encode(req.prompt, req.add_special_tokens is not False)
         else:
-            messages, media = plain_messages(req.messages)
-            if media:
-                raise ApiError("/tokenize takes text messages only (no image_url or video_url parts)",
-                               param="messages")
-            check_template_kwargs(req.chat_template_kwargs)
-            tools = tool_request(req)
-            template = model.template_for(req.chat_template)
-            check_template_takes(template, tools, messages)
-            messages = model.content_for(template, messages, tools.template_tools is not None)
-            try:
-                text = template.render(messages, add_generation_prompt=req.add_generation_prompt,
-                                                       tools=tools.template_tools,
-                                                       continue_final_message=req.continue_final_message,
-                                                       **model.template_kwargs_for(req.chat_template_kwargs))
-            except (ValueError, jinja2.TemplateError) as exc:
-                raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
-            tokens = model.processor.tokenizer.encode(text, bool(req.add_special_tokens))
+            tokens = await _chat_tokens(req, model, app.policy, app.session)
         body = {"count": len(tokens), "max_model_len": model.max_context, "tokens": tokens}
         if req.return_token_strs:
             body["token_strs"] = [model.processor.tokenizer.token_text(t) for t in tokens]
         return web.json_response(body)
 
     return tokenize
+
+
+async def _chat_tokens(req: TokenizeRequest, model: ModelInfo, policy, session) -> list[int]:
+    messages, media = plain_messages(req.messages)
+    check_template_kwargs(req.chat_template_kwargs)
+    tools = tool_request(req)
+    template = model.template_for(req.chat_template)
+    check_template_takes(template, tools, messages)
+    messages = model.content_for(template, messages, tools.template_tools is not None)
+    found = await chat_media(media, req, model, policy, session)
+    try:
+        prompt = model.processor.chat_prompt(messages, found.sizes, found.plans, tools.template_tools,
+                                             req.add_generation_prompt, model.template_kwargs_for(
+                                                 req.chat_template_kwargs),
+                                             req.continue_final_message, bool(req.add_special_tokens),
+                                             template=template)
+    except (ValueError, jinja2.TemplateError) as exc:
+        raise ApiError(f"cannot build the prompt: {exc}", param="messages") from None
+    return list(prompt.token_ids)
 
 
 def detokenize_handler(model: ModelInfo):
