@@ -240,3 +240,24 @@ def test_mm_processor_kwargs_reach_every_stage_alike_from_the_flag_and_the_file(
         refused = subprocess.run([sys.executable, str(REPO / "bin" / "epd-launch"), str(tiny_dir), "--device", "cpu",
                                   "--mm-processor-kwargs", value], capture_output=True, text=True, timeout=60)
         assert refused.returncode != 0 and says in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags, text, eager", [
+    (["-O0"], "", True), (["--optimization-level", "3"], "", False), (["-O1", "--enforce-eager"], "", True),
+    ([], "optimization-level: 0\n", True), ([], "optimization-level: 2\n", False)])
+def test_vllms_optimization_level_zero_is_enforce_eager(tmp_path, tiny_dir, flags, text, eager):
+    from stages.generator import parse_args as generator_args
+
+    args = cli.parse_args(["--config", str(write(tmp_path, text or "{}\n")), "--model", str(tiny_dir),
+                           "--device", "cpu", *flags])
+    specs = plan_stages(cli.build_options(args), HostFacts(gpu_count=0))
+    generators = [generator_args(list(s.args)) for s in specs if s.role == "generator"]
+    assert generators and all(g.enforce_eager is eager for g in generators)
+
+
+@pytest.mark.parametrize("value", ["4", '{"level": 3}', ".cudagraph_mode=NONE"])
+def test_an_optimization_level_that_is_not_0_to_3_exits_2_in_one_line(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_args(["-O", value, "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and "a level of 0, 1, 2 or 3" in err

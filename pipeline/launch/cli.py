@@ -30,7 +30,7 @@ from pipeline.processing.chat_template import is_template_text
 from pipeline.processing.image_config import mm_processor_kwargs_arg
 from pipeline.models.shape_configs import SHAPES  # torch-free
 from pipeline.models.hub_cache import resolve_model
-from pipeline.launch.vllm_flags import add_vllm_flags, check_vllm_flags, vllm_stage_flags
+from pipeline.launch.vllm_flags import add_vllm_flags, check_vllm_flags, optimization_level, vllm_stage_flags
 
 # vllm serve's --block-size choices (the generators take any size; scripts/gpu_block_size_check.py
 # checks the GPU kernels at each of these).
@@ -179,6 +179,9 @@ def _add_engine_and_api_flags(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs in the generators: nothing captured at start-up, slower steps "
                         "(encoders replay vision graphs only when given --vision-graphs)")
+    engine.add_argument("-O", "--optimization-level", type=optimization_level, metavar="0-3",
+                        help="vLLM's levels: 0 captures no CUDA graphs (as --enforce-eager); 1, 2 and 3 (the "
+                        "default is 2) all mean the generators' captured steps, the only compiled form here")
     engine.add_argument("--seed", type=int, metavar="N",
                         help="the generators' random draws for requests without a seed start from N (default: none)")
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
@@ -265,7 +268,7 @@ def forwarded_stage_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...
                  "prefill_pacing_max_hold_ms", "seed"):
         if getattr(args, name) is not None:
             out.append(("generator", f"--{name.replace('_', '-')}={getattr(args, name)}"))
-    if args.enforce_eager:
+    if args.enforce_eager or args.optimization_level == 0:
         out.append(("generator", "--enforce-eager"))
     if args.enable_prefix_caching is not None:
         out.append(("generator", f"--{'' if args.enable_prefix_caching else 'no-'}enable-prefix-caching"))

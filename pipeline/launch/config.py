@@ -77,6 +77,7 @@ class _LaunchKeys(msgspec.Struct, forbid_unknown_fields=True, rename="kebab", om
     block_size: int | None = None
     max_model_len: int | None = None
     enforce_eager: bool | None = None
+    optimization_level: Literal[0, 1, 2, 3] | None = None
     enable_prefix_caching: bool | None = None
     disable_log_stats: bool | None = None
     disable_log_requests: bool | None = None

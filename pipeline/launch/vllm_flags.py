@@ -95,6 +95,16 @@ def _json_list(text: str) -> str:
     return text
 
 
+def optimization_level(text: str) -> int:
+    """vllm serve's -O N. Its older forms (a compilation config's JSON, or
+    dotted keys) name torch.compile settings that have no meaning here."""
+    if text not in ("0", "1", "2", "3"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a level of 0, 1, 2 or 3 (no compilation config is taken: "
+                                         "the generators capture CUDA graphs of their own steps; -O0 turns "
+                                         "them off)")
+    return int(text)
+
+
 def _grammar_config(text: str) -> dict:
     value = json_object(text, '{"backend": "guidance"}')
     if set(value) - {"backend"} or value.get("backend", "auto") not in GRAMMAR_BACKENDS:
