@@ -21,6 +21,7 @@ import torch
 from pipeline import protocol
 from pipeline.arena.index import ArenaBusy, ArenaFull, Entry, State
 from pipeline.arena.store import ArenaStore
+from pipeline.device_loss import raise_if_lost
 from pipeline.encoder.aborts import drop_aborted
 from pipeline.encoder.backpressure import ArenaSpace, decode_room
 from pipeline.encoder.batching import take_batch
@@ -95,6 +96,7 @@ class EncoderService:
         # A forward stuck past its timeout, or this event loop: the process exits (watchdog.py).
         self.watchdog = watchdog or HangWatchdog(None)
         self.forwarding = False
+        self.device = next(tower.parameters()).device   # asked after a failed batch (device_loss.py)
 
     # ------------------------------------------------------------- messages
 
@@ -239,6 +241,7 @@ class EncoderService:
             log.exception("decoding a batch of %d image(s) failed", len(items))
             for key, _ in items:
                 self._fail_all(key, f"encoder error while decoding: {exc}", retryable=True)
+            raise_if_lost(self.device, exc)   # unless the GPU itself is gone: then this process ends
             return
         for (key, _), result in zip(items, results):
             if isinstance(result, ImageDecodeError):
@@ -267,6 +270,7 @@ class EncoderService:
             log.exception("decoding %d video(s) failed", len(clips))
             for key in keys:
                 self._fail_all(key, f"encoder error while decoding: {exc}", retryable=True)
+            raise_if_lost(self.device, exc)
             return
         for key, video in zip(keys, results):
             if isinstance(video, VideoDecodeError):
@@ -304,11 +308,12 @@ class EncoderService:
                     self.busy["forward_s"] += time.perf_counter() - started - held
                     self.busy["held_s"] += held
                     self.busy.update(forward_images=len(reserved), forwards=1)   # this window's
-                except Exception as exc:  # a failed forward must not stop the encoder
+                except Exception as exc:  # a failed forward must not stop the encoder, unless its GPU is gone
                     log.exception("vision forward failed")
                     for item, _ in reserved:
                         self.store.index.abort(item.content_hash)
                         self._fail_all(item.content_hash, f"encoder error: {exc}", retryable=True)
+                    raise_if_lost(self.device, exc)
                     continue
                 for item, entry in reserved:
                     self.store.index.mark_ready(item.content_hash)

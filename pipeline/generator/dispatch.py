@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 
 from pipeline import protocol
+from pipeline.device_loss import raise_if_lost
 from pipeline.generator.announcements import on_announce
 from pipeline.generator.intake import on_embedding
 from pipeline.generator.internal import AskerRestarted, PreparedRequest
@@ -24,7 +25,7 @@ def handler_table(service) -> dict[type, Handler]:
     Looked up by exact type: every kind handed to the engine thread is listed."""
     return {
         protocol.GenerateRequest: service.on_generate,
-        PreparedRequest: lambda m: service.on_generate(m.request, m.inputs, m.error),
+        PreparedRequest: lambda m: prepared_request(service, m),
         protocol.EmbeddingReady: lambda m: on_embedding(service, m),
         protocol.EncodeFailed: lambda m: on_encode_failed(service, m),
         DecodedJob: lambda m: local_job(service, m),
@@ -52,7 +53,15 @@ def on_encode_failed(service, message: protocol.EncodeFailed) -> None:
         service.fail_key(message.content_hash, f"image encoding failed: {message.reason}", 400)
 
 
+def prepared_request(service, prepared: PreparedRequest) -> None:
+    if prepared.backend_failed:   # a decoder that failed on a lost GPU fails every request after it
+        raise_if_lost(service.device, RuntimeError(prepared.error))
+    service.on_generate(prepared.request, prepared.inputs, prepared.error)
+
+
 def local_job(service, job: DecodedJob) -> None:
+    if job.backend_failed:
+        raise_if_lost(service.device, RuntimeError(job.error))
     service.local.queue.append(job)
 
 

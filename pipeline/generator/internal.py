@@ -22,6 +22,7 @@ class PreparedRequest:
     request: protocol.GenerateRequest
     inputs: list | None
     error: str = ""
+    backend_failed: bool = False   # the decoder failed, not the media: the engine thread asks if the GPU is gone
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def prepare(request: protocol.GenerateRequest, decode_images: Callable) -> Prepa
         return PreparedRequest(request, None, str(exc))
     except Exception as exc:   # a backend failure: on a worker, it would be lost with its request
         log.exception("decoding the media of %s failed", request.request_id)
-        return PreparedRequest(request, None, f"media decoding failed: {exc}")
+        return PreparedRequest(request, None, f"media decoding failed: {exc}", backend_failed=True)
 
 
 @dataclass

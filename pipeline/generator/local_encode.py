@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline import protocol
+from pipeline.device_loss import raise_if_lost
 from pipeline.generator.intake import take_embedding
 from pipeline.generator.media_budget import HeldBytes
 
@@ -39,6 +40,7 @@ class DecodedJob:
     pixels: torch.Tensor | None = None
     grid: tuple[int, int, int] | None = None
     error: str = ""
+    backend_failed: bool = False   # as PreparedRequest's (internal.py)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def decode_job(job: protocol.EncodeJob, decode: Callable, budget: HeldBytes,
         return DecodedJob(job, error=str(exc))
     except Exception as exc:   # a backend failure: on a worker, it would be lost with its job
         log.exception("decoding the media of job %s failed", job.job_id)
-        return DecodedJob(job, error=f"media decoding failed: {exc}")
+        return DecodedJob(job, error=f"media decoding failed: {exc}", backend_failed=True)
     if not budget.hold([pixels], stop):
         return DecodedJob(job, error="the generator is stopping")
     return DecodedJob(job, pixels, tuple(grid))
@@ -97,8 +99,9 @@ class LocalEncoder:
             pixels = torch.cat([item.pixels.to(self.device, non_blocking=True) for item in batch])
             with torch.inference_mode():
                 outputs = self.forward(pixels, [item.grid for item in batch])
-        except Exception as exc:   # a failed forward fails its jobs, not the generator
+        except Exception as exc:   # a failed forward fails its jobs, not the generator, unless its GPU is gone
             log.exception("local vision forward of %d item(s) failed", len(batch))
+            raise_if_lost(self.device, exc)
             return [LocalResult(item.job, error=f"generator error while encoding: {exc}", retryable=True)
                     for item in batch]
         results = []
