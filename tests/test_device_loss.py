@@ -83,8 +83,8 @@ class FakeGenerator:
         self.device = CUDA
         self.generated: list = []
 
-    def on_generate(self, request, inputs, error) -> None:
-        self.generated.append((request, error))
+    def on_generate(self, request, inputs, error, error_status) -> None:
+        self.generated.append((error, error_status))
 
 
 def test_a_generators_decoder_failure_on_a_lost_gpu_ends_the_engine_thread(monkeypatch):
@@ -99,7 +99,8 @@ def test_a_generators_decoder_failure_on_a_lost_gpu_ends_the_engine_thread(monke
     monkeypatch.setattr(device_loss, "round_trip", lambda device: None)
     dispatch(table, bad_media)
     dispatch(table, failed_decoder)   # the GPU still answers: the request fails alone
-    assert [error for _, error in service.generated] == [bad_media.error, failed_decoder.error]
+    # A bad image is the client's (400); a decoder that failed on a working GPU is the server's (500).
+    assert service.generated == [(bad_media.error, 400), (failed_decoder.error, 500)]
     monkeypatch.setattr(device_loss, "round_trip", lambda device: (_ for _ in ()).throw(RuntimeError(MPS_ERROR)))
     dispatch(table, bad_media)   # a bad image says nothing of the GPU: not asked
     with pytest.raises(DeviceLost):

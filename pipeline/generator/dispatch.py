@@ -56,7 +56,7 @@ def on_encode_failed(service, message: protocol.EncodeFailed) -> None:
 def prepared_request(service, prepared: PreparedRequest) -> None:
     if prepared.backend_failed:   # a decoder that failed on a lost GPU fails every request after it
         raise_if_lost(service.device, RuntimeError(prepared.error))
-    service.on_generate(prepared.request, prepared.inputs, prepared.error)
+    service.on_generate(prepared.request, prepared.inputs, prepared.error, 500 if prepared.backend_failed else 400)
 
 
 def local_job(service, job: DecodedJob) -> None:

@@ -181,7 +181,10 @@ class GeneratorService:
 
     # ------------------------------------------------------------- requests
 
-    def on_generate(self, req: protocol.GenerateRequest, inputs: list | None = None, error: str = "") -> None:
+    def on_generate(self, req: protocol.GenerateRequest, inputs: list | None = None, error: str = "",
+                    error_status: int = 400) -> None:
+        """`error`: why its media could not be prepared; `error_status`: 400 for bad media, 500 for a
+        decoder that failed."""
         early = self.early.claim(req.request_id)
         if self.requests.was_aborted(req.request_id):
             self.requests.end(req.request_id)   # its late embeddings are given back unread
@@ -192,7 +195,7 @@ class GeneratorService:
         except ValueError as exc:
             self.requests.end(req.request_id)
             self.send(req.reply_to, protocol.TokenDelta(req.request_id, (), "", True, "error", error=str(exc),
-                                                        status=400))
+                                                        status=error_status if error else 400))
             self.counters["errors"] += 1
             return
         tracked = self.requests.track(req.request_id, req.reply_to, time.monotonic() + self.embedding_timeout)
