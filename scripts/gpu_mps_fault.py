@@ -11,8 +11,9 @@ time. Then, in turn:
 1. the MPS server (nvidia-cuda-mps-server, which runs every client's work)
    gets SIGKILL: its clients' contexts are gone, so the stages must be
    replaced, and the stack must serve again;
-2. the control daemon gets SIGKILL, and then the generator: its
-   replacement must start and serve;
+2. the control daemon gets SIGKILL, and then the generator: the launcher
+   must start a new daemon, and the stages' replacements must serve under
+   it (an MPS server running), not time-slice the GPU;
 3. the launcher is stopped (SIGINT): it must exit 0 and leave no MPS
    process, no MPS folder and no epd segment in /dev/shm.
 
@@ -182,8 +183,11 @@ def run(out: Path, run_dir: Path, report: dict) -> None:
         subprocess.run(["kill", "-9", str(generator)], check=False)
         report["daemon_kill"] = {"at_s": round(at, 1), "generator_killed": generator}
         report["daemon_kill"]["recovered_after_s"] = recovered(load, load.now() + 1.0, 180)
-        report["daemon_kill"].update(generator_now=started(launcher_log)["generator-0"], servers=servers(),
-                                     mps_processes=mps_processes(), apps=compute_apps(), log=log.new_lines())
+        daemons = [int(pid) for _, pid in MPS.findall(launcher_log.read_text())]
+        report["daemon_kill"].update(generator_now=started(launcher_log)["generator-0"], daemons=daemons,
+                                     servers=servers(), mps_processes=mps_processes(), apps=compute_apps(),
+                                     log=log.new_lines())
+        daemon = daemons[-1]  # the launcher's new one, which its stop must quit
     finally:
         load.end()
         report["requests"] = summarize(load.outcomes)
@@ -216,6 +220,8 @@ def main() -> int:
     after = report.get("after", {})
     failed = [name for name, bad in [
         ("error", "error" in report),
+        # The replacements must run under a new daemon (an MPS server), not time-slice the GPU.
+        ("no_mps_after", "daemon_kill" in report and not report["daemon_kill"].get("servers")),
         ("hung", bool(report.get("requests", {}).get("hung"))),
         ("stop", report.get("stop", {}).get("launcher_exit") != 0),
         ("left", bool(after.get("mps_processes")) or after.get("mps_folder_left") or bool(after.get("shm_left"))),

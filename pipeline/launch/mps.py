@@ -114,6 +114,27 @@ class MpsDaemon:
         if program is None:
             raise MpsError(f"{self.config.control}: not found on PATH")
         self._check_socket_path()
+        return self._launch(program)
+
+    def lost(self) -> bool:
+        """True once the daemon we started has died (killed, crashed). Its
+        server goes with it, and with that every client's CUDA context: on an
+        H100, SIGKILL of the control daemon ended both stages' next GPU call
+        (docs/reliability.md). False for the operator's daemon."""
+        return self._program is not None and self.pid is not None and not daemon_alive(self.pid)
+
+    def restart(self) -> dict[str, str]:
+        """After `lost`: a new daemon in the same folders (the dead one's pid
+        file and sockets are cleared first), with a new keeper. Raises
+        MpsError as `start` does; the stages then run without MPS."""
+        program = self._program
+        if program is None or not self.lost():
+            raise RuntimeError("MpsDaemon.restart is for a daemon of ours that is gone")
+        self._stop_keeper()  # it watched the dead pid, and has likely ended already
+        self._program, self.pid, self.client_env = None, None, None
+        return self._launch(program)
+
+    def _launch(self, program: str) -> dict[str, str]:
         deadline = time.monotonic() + self.config.start_timeout
         with run_folder_lock(self.config.root):  # against a keeper of a killed launcher (mps_keeper.py)
             self._clear_leftover(program, deadline)

@@ -177,6 +177,8 @@ class Supervisor:
     def _watch(self, stop: threading.Event) -> None:
         while not stop.wait(self.config.poll_interval):
             self.notify.tick()   # from this loop only: if it hangs, the pings stop and systemd acts
+            if self.mps is not None and self.mps.lost():
+                self._replace_mps()
             now = time.monotonic()
             for stage in self.stages:
                 if stage.proc is not None and (code := stage.proc.poll()) is not None:
@@ -186,6 +188,26 @@ class Supervisor:
                 elif stage.restart_at is not None and now >= stage.restart_at:
                     self._start(stage)
                     self.notify.status(f"serving on {self.config.ready_url}; {stage.spec.instance} restarted")
+
+    def _replace_mps(self) -> None:
+        """Our MPS daemon died, and its server with it: start a new one, and
+        kill the clients still up, whose CUDA contexts died with the server,
+        so that the loop restarts them on the new daemon rather than leaving
+        them to fail requests (or restarting them, once they fail, without MPS)."""
+        clients = [s for s in self.stages if s.spec.instance in self.mps.config.clients
+                   and s.proc is not None and s.proc.poll() is None]
+        names = ", ".join(s.spec.instance for s in clients)
+        self._write(f"epd-launch: the MPS control daemon (pid {self.mps.pid}) is gone, and its clients' "
+                    f"GPU contexts with it; starting a new one" + (f" and restarting {names}" if names else ""))
+        for stage in clients:
+            stage.proc.kill()
+        try:
+            self.mps.restart()
+        except MpsError as exc:
+            if self.mps.config.required:
+                raise StageFailed(f"MPS is required (--mps on) but could not be restarted: {exc}") from None
+            self._write(f"epd-launch: warning: MPS could not be restarted ({exc}); "
+                        f"{_time_slicing(self.mps.config.shared)}")
 
     def _schedule_restart(self, stage: _Stage, code: int, now: float) -> None:
         stage.proc = None
