@@ -38,7 +38,7 @@ def test_the_cpu_is_never_lost_and_a_gpu_is_lost_only_when_its_round_trip_fails(
     assert isinstance(raised.value.__cause__, RuntimeError)
 
 
-def test_an_encoder_whose_forward_fails_on_a_lost_gpu_fails_the_batch_and_ends(tiny_dir, dead_gpu):
+def test_an_encoder_whose_forward_fails_on_a_lost_gpu_ends_leaving_the_batch_to_its_replacement(tiny_dir, dead_gpu):
     from conftest import image_bytes, random_image
     from pipeline.arena.store import ArenaStore
     from pipeline.encoder.service import EncoderService, EncoderSettings
@@ -73,9 +73,10 @@ def test_an_encoder_whose_forward_fails_on_a_lost_gpu_fails_the_batch_and_ends(t
         asyncio.run(scenario())
     finally:
         store.close()
-    (failed,) = [m for m in sent if isinstance(m, protocol.EncodeFailed)]
-    assert failed.job_id == "j" and failed.retryable and "MPS server" in failed.reason
-    assert store.index.lease_count == 0
+    # Unanswered: the proxy sends the job to the replacement (test_dispatcher_encoder_loss.py);
+    # an answer would have failed its request, on a box with no other encoder to try.
+    assert not [m for m in sent if isinstance(m, protocol.EncodeFailed)]
+    assert store.index.lease_count == 0 and not store.index.entries
 
 
 class FakeGenerator:

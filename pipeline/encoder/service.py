@@ -239,9 +239,11 @@ class EncoderService:
             # the process would meet the same bytes again when its jobs
             # were retried, and a crash loop stops the whole box.
             log.exception("decoding a batch of %d image(s) failed", len(items))
+            # Unless the GPU itself is gone: then this process ends, its jobs
+            # unanswered, and the proxy sends them to its replacement.
+            raise_if_lost(self.device, exc)
             for key, _ in items:
                 self._fail_all(key, f"encoder error while decoding: {exc}", retryable=True)
-            raise_if_lost(self.device, exc)   # unless the GPU itself is gone: then this process ends
             return
         for (key, _), result in zip(items, results):
             if isinstance(result, ImageDecodeError):
@@ -268,9 +270,9 @@ class EncoderService:
                                                  self.video_config)
         except Exception as exc:   # as for images: these clips' jobs fail, the encoder goes on
             log.exception("decoding %d video(s) failed", len(clips))
+            raise_if_lost(self.device, exc)
             for key in keys:
                 self._fail_all(key, f"encoder error while decoding: {exc}", retryable=True)
-            raise_if_lost(self.device, exc)
             return
         for key, video in zip(keys, results):
             if isinstance(video, VideoDecodeError):
@@ -312,8 +314,9 @@ class EncoderService:
                     log.exception("vision forward failed")
                     for item, _ in reserved:
                         self.store.index.abort(item.content_hash)
+                    raise_if_lost(self.device, exc)   # as after a failed decode: ends unanswered
+                    for item, _ in reserved:
                         self._fail_all(item.content_hash, f"encoder error: {exc}", retryable=True)
-                    raise_if_lost(self.device, exc)
                     continue
                 for item, entry in reserved:
                     self.store.index.mark_ready(item.content_hash)

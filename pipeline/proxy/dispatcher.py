@@ -27,7 +27,8 @@ Failure handling:
   false alarm, and a one-generator box survives a generator restart;
 - a request whose generator is lost `max_attempts` times is not sent again
   but fails (503): the request may be what kills them, and resending it
-  would take the generators down one after another;
+  would take the generators down one after another; so does one whose
+  encode jobs lost their encoder that many times;
 - a bad image (non-retryable failure) ends its request with an error;
 - a generator that lost an embedding its request still needs (its encoder
   died before it was read, or it was evicted there too) asks for it again
@@ -51,7 +52,7 @@ import zmq.asyncio
 from pipeline import protocol, transport
 from pipeline.incarnations import Incarnations
 from pipeline.proxy.api_types import ApiError
-from pipeline.proxy.flights import Flight, Work, parse_wire_id
+from pipeline.proxy.flights import Flight, Work, parse_wire_id, resume_after_output
 from pipeline.proxy.routing import encoder_order, least_loaded
 
 log = logging.getLogger("epd.proxy")
@@ -316,11 +317,12 @@ class Dispatcher:
                         "for one", generator, count, self.orphan_timeout)
         if not self.aggregated:
             for flight in list(self.flights.values()):
-                for job in flight.work.jobs:
-                    tried = flight.encoders.get(job.job_id, [])
-                    if (tried and not self.up(tried[-1]) and tried[-1] in self.last_seen
-                            and self._job_needed(flight, job)):
-                        self._send_job(flight, job, tried)
+                # Only jobs with somewhere to go: with none, they wait for the encoder's return.
+                self._jobs_lost(flight, [(job, tried) for job in flight.work.jobs
+                                         if (tried := flight.encoders.get(job.job_id, []))
+                                         and not self.up(tried[-1]) and tried[-1] in self.last_seen
+                                         and self._job_needed(flight, job)
+                                         and self._job_target(flight, job, tried) is not None])
 
     def _redispatch(self, flight: Flight, exclude_current: bool = True) -> None:
         """Move a flight, as a new attempt, to another generator (or, after
@@ -336,7 +338,7 @@ class Dispatcher:
             if left <= 0:  # only its final message was lost
                 self._finish_lost(flight)
                 return
-            self._resume_point(flight)
+            resume_after_output(flight)
         if flight.attempt >= self.max_attempts:
             log.warning("request %s lost its generator %d times: failing it", flight.work.request.request_id,
                         flight.attempt)
@@ -363,10 +365,26 @@ class Dispatcher:
             if flight.generator == address:
                 self._redispatch(flight, exclude_current=False)
             elif not self.aggregated:
-                for job in flight.work.jobs:
-                    tried = flight.encoders.get(job.job_id, [])
-                    if tried and tried[-1] == address and self._job_needed(flight, job):
-                        self._send_job(flight, job, tried[:-1])
+                self._jobs_lost(flight, [(job, tried[:-1]) for job in flight.work.jobs
+                                         if (tried := flight.encoders.get(job.job_id, []))
+                                         and tried[-1] == address and self._job_needed(flight, job)])
+
+    def _jobs_lost(self, flight: Flight, lost: list[tuple[protocol.EncodeJob, list[str]]]) -> None:
+        """Send again the jobs of `flight` that an encoder lost (it went down
+        or restarted), each passing over the encoders named with it. The
+        `max_attempts`-th such loss fails the request (503) instead: its media
+        may be what kills them (an encoder whose GPU fails ends unanswered)."""
+        if not lost:
+            return
+        flight.encoder_losses += 1
+        if flight.encoder_losses >= self.max_attempts:
+            log.warning("request %s lost its encoder %d times: failing it", flight.work.request.request_id,
+                        flight.encoder_losses)
+            self._fail(flight, f"the request's media lost its encoder {flight.encoder_losses} times; "
+                       "it is not sent again", 503)
+            return
+        for job, tried in lost:
+            self._send_job(flight, job, tried)
 
     @staticmethod
     def _job_needed(flight: Flight, job: protocol.EncodeJob) -> bool:
@@ -380,18 +398,3 @@ class Dispatcher:
         prompt = len(request.prompt_token_ids) - flight.resumed_from
         self._end(flight, protocol.TokenDelta(request.request_id, (), "", True, "length", prompt,
                                               len(flight.token_ids)))
-
-    def _resume_point(self, flight: Flight) -> None:
-        """Make the request continue after the tokens it already produced.
-        The next generator is told which they are and how much of their text
-        the client has, so it sends what the lost one held back and carries
-        on its stop strings, grammar and penalties."""
-        done = flight.token_ids[flight.resumed_from:]
-        request = flight.work.request
-        s = request.sampling
-        sampling = msgspec.structs.replace(s, max_tokens=max(1, s.max_tokens - len(done)),
-                                           min_tokens=max(0, s.min_tokens - len(done)))
-        flight.work.request = msgspec.structs.replace(
-            request, prompt_token_ids=request.prompt_token_ids + tuple(done), sampling=sampling,
-            resumed_output=tuple(flight.token_ids), resumed_text_sent=flight.text_sent)
-        flight.resumed_from = len(flight.token_ids)

@@ -8,6 +8,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from pipeline import protocol
 from pipeline.proxy.echo import Echo
 from pipeline.proxy.reasoning import ReasoningSplit
@@ -77,7 +79,24 @@ class Flight:
     attempt: int = 0           # dispatches so far, less one
     wanted: set[str] = field(default_factory=set)   # job ids its generator asked for again
     orphaned_at: float | None = None   # since when its generator looks down with no other one up
+    encoder_losses: int = 0    # times an encoder that had its jobs was lost (went down, or restarted)
 
     @property
     def wire_id(self) -> str:
         return wire_id(self.work.request.request_id, self.attempt)
+
+
+def resume_after_output(flight: Flight) -> None:
+    """Make the request continue after the tokens it already produced.
+    The next generator is told which they are and how much of their text
+    the client has, so it sends what the lost one held back and carries
+    on its stop strings, grammar and penalties."""
+    done = flight.token_ids[flight.resumed_from:]
+    request = flight.work.request
+    s = request.sampling
+    sampling = msgspec.structs.replace(s, max_tokens=max(1, s.max_tokens - len(done)),
+                                       min_tokens=max(0, s.min_tokens - len(done)))
+    flight.work.request = msgspec.structs.replace(
+        request, prompt_token_ids=request.prompt_token_ids + tuple(done), sampling=sampling,
+        resumed_output=tuple(flight.token_ids), resumed_text_sent=flight.text_sent)
+    flight.resumed_from = len(flight.token_ids)
