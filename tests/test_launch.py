@@ -88,7 +88,8 @@ mps = None
 if cfg["mps"] is not None:  # every model stage is a client, as if all shared cuda:0
     mps = MpsConfig(here / "run" / "mps", frozenset(s.instance for s in specs if s.role != "proxy"),
                     required=cfg["mps"]["required"], encoder_sm_percent=cfg["mps"]["sm_percent"],
-                    encoders=frozenset(s.instance for s in specs if s.role == "encoder"), shared=("cuda:0",))
+                    encoders=frozenset(s.instance for s in specs if s.role == "encoder"), shared=("cuda:0",),
+                    operator_wait=cfg["mps"].get("operator_wait", 60.0))
 config = SupervisorConfig(
     tuple(specs), http_url("127.0.0.1", cfg["port"], "/health"), http_url("127.0.0.1", cfg["port"], "/v1"),
     ready_timeout=cfg["ready_timeout"], stop_timeout=1.0, drain_timeout=cfg["drain_timeout"],

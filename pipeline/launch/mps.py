@@ -67,13 +67,14 @@ class MpsConfig:
     start_timeout: float = 10.0  # `-d` until ready
     shared: tuple[str, ...] = ()  # the GPUs stages share, for the warning only
     stop_timeout: float = 10.0  # `quit` until the daemon has exited; then SIGKILL
+    operator_wait: float = 60.0  # the operator's daemon gone: how long its clients' restarts wait for it (mps_watch.py)
 
     def __post_init__(self) -> None:
         percent = self.encoder_sm_percent
         if percent is not None and (isinstance(percent, bool) or not isinstance(percent, int)
                                     or not 1 <= percent <= 100):
             raise ValueError(f"MpsConfig.encoder_sm_percent must be an integer in 1..100 (got {percent!r})")
-        for name in ("start_timeout", "stop_timeout"):
+        for name in ("start_timeout", "stop_timeout", "operator_wait"):
             if not getattr(self, name) > 0:  # also false for nan
                 raise ValueError(f"MpsConfig.{name} must be > 0 (got {getattr(self, name)})")
         if not self.control:
@@ -95,7 +96,8 @@ class MpsDaemon:
         self.write = write
         self.pipe = config.root / "pipe"
         self.logs = config.root / "log"
-        self.pid: int | None = None
+        self.pid: int | None = None  # the daemon's (ours, or the operator's when its pid file names a live one)
+        self.operator: Path | None = None  # the operator's pipe folder, when that daemon is used
         self.client_env: dict[str, str] | None = None  # None: the stages run without MPS
         self._program: str | None = None  # set while we own a running daemon
         self._keeper: subprocess.Popen | None = None  # quits it should this launcher be killed
@@ -107,6 +109,8 @@ class MpsDaemon:
             raise RuntimeError("MpsDaemon.start called twice")
         operator = os.environ.get(PIPE_VAR)
         if operator is not None:
+            self.operator = Path(operator)
+            self.pid = self.operator_back()  # None: no readable pid file, nothing to watch
             self.write(f"epd-launch: using the operator's MPS control daemon ({PIPE_VAR}={operator})")
             self.client_env = {}
             return {}
@@ -120,8 +124,24 @@ class MpsDaemon:
         """True once the daemon we started has died (killed, crashed). Its
         server goes with it, and with that every client's CUDA context: on an
         H100, SIGKILL of the control daemon ended both stages' next GPU call
-        (docs/reliability.md). False for the operator's daemon."""
-        return self._program is not None and self.pid is not None and not daemon_alive(self.pid)
+        (docs/reliability.md). The operator's is watched through its pid file."""
+        watched = self._program is not None or self.operator is not None
+        return watched and self.pid is not None and not daemon_alive(self.pid)
+
+    def operator_back(self) -> int | None:
+        """The pid of a daemon that answers in the operator's pipe folder (a
+        live pid in its pid file, and its control socket), else None."""
+        if self.operator is None:
+            return None
+        pid = read_pid(self.operator / PID_FILE)
+        if pid is None or not daemon_alive(pid) or not (self.operator / CONTROL_SOCKET).exists():
+            return None
+        self.pid = pid
+        return pid
+
+    def forget(self) -> None:
+        """The operator's daemon is gone: watched again once `operator_back` finds one."""
+        self.pid = None
 
     def restart(self) -> dict[str, str]:
         """After `lost`: a new daemon in the same folders (the dead one's pid

@@ -7,7 +7,8 @@ stops them itself and reaps every one. Each child's output goes to the
 launcher's stdout prefixed with its instance name, or to
 `<log_dir>/<instance>.log`. With `mps` set, a private MPS control daemon
 (pipeline/launch/mps.py) runs from before the first stage until after the
-last has been reaped.
+last has been reaped; should it (or the operator's) die, its clients are
+restarted under a daemon again (mps_watch.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import IO
 
 from pipeline.arena.shm import remove_stale_segments
 from pipeline.launch.mps import MpsConfig, MpsDaemon, MpsError
+from pipeline.launch.mps_watch import MpsWatch
 from pipeline.launch.plan import StageSpec, prefill_signal_file
 from pipeline.launch.sd_notify import Notifier
 from pipeline.launcher_watch import LAUNCHER_PID_ENV
@@ -121,6 +123,7 @@ class Supervisor:
         self.pumps: list[threading.Thread] = []
         self.width = max((len(s.instance) for s in config.stages), default=0)
         self.mps = MpsDaemon(config.mps, self._write) if config.mps else None
+        self.mps_watch = MpsWatch(self.mps, self._write, _time_slicing(config.mps.shared)) if config.mps else None
 
     def run(self, stop: threading.Event) -> None:
         """Start, wait until ready, keep up until `stop`; always stops and
@@ -177,37 +180,29 @@ class Supervisor:
     def _watch(self, stop: threading.Event) -> None:
         while not stop.wait(self.config.poll_interval):
             self.notify.tick()   # from this loop only: if it hangs, the pings stop and systemd acts
-            if self.mps is not None and self.mps.lost():
-                self._replace_mps()
             now = time.monotonic()
+            if self.mps_watch is not None:
+                try:
+                    self.mps_watch.tick(now, self._kill_mps_clients)
+                except MpsError as exc:  # required, and no daemon to be had
+                    raise StageFailed(str(exc)) from None
             for stage in self.stages:
                 if stage.proc is not None and (code := stage.proc.poll()) is not None:
                     if stop.is_set():  # it saw the same Ctrl-C we did
                         return
                     self._schedule_restart(stage, code, now)
-                elif stage.restart_at is not None and now >= stage.restart_at:
+                elif stage.restart_at is not None and now >= stage.restart_at and not self._held(stage):
                     self._start(stage)
                     self.notify.status(f"serving on {self.config.ready_url}; {stage.spec.instance} restarted")
 
-    def _replace_mps(self) -> None:
-        """Our MPS daemon died, and its server with it: start a new one, and
-        kill the clients still up, whose CUDA contexts died with the server,
-        so that the loop restarts them on the new daemon rather than leaving
-        them to fail requests (or restarting them, once they fail, without MPS)."""
+    def _kill_mps_clients(self) -> list[str]:
+        """Kill the MPS clients still up (their CUDA contexts died with the
+        daemon's server); the watch loop restarts them. Their names."""
         clients = [s for s in self.stages if s.spec.instance in self.mps.config.clients
                    and s.proc is not None and s.proc.poll() is None]
-        names = ", ".join(s.spec.instance for s in clients)
-        self._write(f"epd-launch: the MPS control daemon (pid {self.mps.pid}) is gone, and its clients' "
-                    f"GPU contexts with it; starting a new one" + (f" and restarting {names}" if names else ""))
         for stage in clients:
             stage.proc.kill()
-        try:
-            self.mps.restart()
-        except MpsError as exc:
-            if self.mps.config.required:
-                raise StageFailed(f"MPS is required (--mps on) but could not be restarted: {exc}") from None
-            self._write(f"epd-launch: warning: MPS could not be restarted ({exc}); "
-                        f"{_time_slicing(self.mps.config.shared)}")
+        return [s.spec.instance for s in clients]
 
     def _schedule_restart(self, stage: _Stage, code: int, now: float) -> None:
         stage.proc = None
@@ -245,6 +240,11 @@ class Supervisor:
                                     name=f"output-{spec.instance}", daemon=True)
             pump.start()
             self.pumps = [p for p in self.pumps if p.is_alive()] + [pump]
+
+    def _held(self, stage: _Stage) -> bool:
+        """An MPS client whose restart waits for the operator's daemon to be back."""
+        return (self.mps_watch is not None and self.mps_watch.holding()
+                and stage.spec.instance in self.mps.config.clients)
 
     def _mps_env(self, spec: StageSpec) -> dict[str, str]:
         return self.mps.env_for(spec.instance) if self.mps is not None else {}
