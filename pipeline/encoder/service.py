@@ -240,7 +240,8 @@ class EncoderService:
             # were retried, and a crash loop stops the whole box.
             log.exception("decoding a batch of %d image(s) failed", len(items))
             # Unless the GPU itself is gone: then this process ends, its jobs
-            # unanswered, and the proxy sends them to its replacement.
+            # unanswered, and the proxy sends them to its replacement (only
+            # once: a request whose media lose encoders twice fails there).
             raise_if_lost(self.device, exc)
             for key, _ in items:
                 self._fail_all(key, f"encoder error while decoding: {exc}", retryable=True)

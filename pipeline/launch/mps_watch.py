@@ -22,6 +22,9 @@ from pipeline.launch.mps import MpsDaemon, MpsError
 
 
 class MpsWatch:
+    """The supervisor's watch loop asks it each round (`tick`), and asks
+    `holding` before it restarts an MPS client."""
+
     def __init__(self, daemon: MpsDaemon, write: Callable[[str], None], time_slicing: str) -> None:
         self.daemon = daemon
         self.write = write
@@ -42,7 +45,8 @@ class MpsWatch:
 
     def _replace(self, now: float, kill_clients: Callable[[], list[str]]) -> None:
         whose = "the operator's" if self.daemon.operator else "the"
-        gone = f"epd-launch: {whose} MPS control daemon (pid {self.daemon.pid}) is gone, and its clients' GPU contexts with it"
+        gone = (f"epd-launch: {whose} MPS control daemon (pid {self.daemon.pid}) is gone, "
+                "and its clients' GPU contexts with it")
         names = ", ".join(kill_clients())
         restarting = f" and restarting {names}" if names else ""
         if self.daemon.operator:
