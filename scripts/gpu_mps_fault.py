@@ -227,14 +227,19 @@ def main() -> int:
         ("left", bool(after.get("mps_processes")) or after.get("mps_folder_left") or bool(after.get("shm_left"))),
     ] if bad]
     report["failed"] = failed
-    if failed:  # leave the box clean for the next call
+    return finish(report, args.out)
+
+
+def finish(report: dict, out: Path) -> int:
+    """Print and save the report; after a failure, clear the box for the next call. The exit status."""
+    if report["failed"]:
         for line in mps_processes():
             subprocess.run(["kill", "-9", line.split()[0]], check=False)
         subprocess.run(["pkill", "-9", "-f", r"stages\."], check=False)
     text = json.dumps(report, indent=1)
     print(text)
-    (args.out / "report.json").write_text(text)
-    return 1 if failed else 0
+    (out / "report.json").write_text(text)
+    return 1 if report["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_launcher_death import alive, mps_processes, until  # noqa: E402
-from gpu_mps_fault import Load, Log, compute_apps, recovered, servers, started, summarize  # noqa: E402
+from gpu_mps_fault import Load, Log, compute_apps, finish, recovered, servers, started, summarize  # noqa: E402
 from pipeline.bench.launched import LaunchedStack  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -142,14 +142,7 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - the report says what failed
             report["error"] = f"{type(exc).__name__}: {exc}"
     report["failed"] = failures(report)
-    if report["failed"]:  # leave the box clean for the next call
-        for line in mps_processes():
-            subprocess.run(["kill", "-9", line.split()[0]], check=False)
-        subprocess.run(["pkill", "-9", "-f", r"stages\."], check=False)
-    text = json.dumps(report, indent=1)
-    print(text)
-    (args.out / "report.json").write_text(text)
-    return 1 if report["failed"] else 0
+    return finish(report, args.out)
 
 
 if __name__ == "__main__":
