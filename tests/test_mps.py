@@ -295,6 +295,13 @@ def launch(tmp_path, stand_in):
         launcher.kill()
 
 
+def all_up(launcher: Launcher, stages: int = 4) -> None:
+    """Every stage has started once (its pid file and environment written).
+    "EPD ready" waits on the proxy alone: a test that kills the daemon
+    before a stage's first start would find one start of it, not two."""
+    launcher.wait_for(r"\| stand-in \S+ up$", count=stages)
+
+
 def envs(launcher: Launcher, instance: str, count: int = 1) -> list[dict[str, str]]:
     """The environment of each start of `instance`, oldest first."""
     launcher.wait_for(rf"^{instance} +\| stand-in {instance} up$", count=count)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from test_launch import Launcher, assert_all_gone
-from test_mps import LOG, PIPE, envs, gone, stand_in  # noqa: F401 (the fixture)
+from test_mps import LOG, PIPE, all_up, envs, gone, stand_in  # noqa: F401 (the fixture)
 from waiting import until
 
 MODEL_STAGES = ("encoder-0", "generator-0", "generator-1")
@@ -100,6 +100,7 @@ def test_clients_of_a_dead_operator_daemon_restart_once_it_is_back(launch, opera
     (tmp_path / "ready").touch()
     launcher = launch()
     launcher.wait_for("^EPD ready")
+    all_up(launcher)
     before = {instance: launcher.pids(instance) for instance in MODEL_STAGES}
 
     operator.kill()
@@ -126,6 +127,7 @@ def test_clients_restart_after_operator_wait_with_a_warning_when_it_stays_away(l
     (tmp_path / "ready").touch()
     launcher = launch(operator_wait=1.5)
     launcher.wait_for("^EPD ready")
+    all_up(launcher)
     operator.kill()
     launcher.wait_for(gone_line(first, 1.5))
     (warning,) = launcher.wait_for(r"^epd-launch: warning: the operator's MPS control daemon was not back within "
@@ -145,6 +147,7 @@ def test_with_mps_required_an_operator_daemon_that_stays_away_ends_the_launch(la
     (tmp_path / "ready").touch()
     launcher = launch(required=True, operator_wait=1.0)
     launcher.wait_for("^EPD ready")
+    all_up(launcher)
     operator.kill()
     assert launcher.finish() == 1
     assert launcher.err[-1] == ("epd-launch: error: MPS is required (--mps on) but the operator's daemon was not "

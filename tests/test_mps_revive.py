@@ -12,7 +12,8 @@ import re
 import signal
 
 from test_launch import assert_all_gone
-from test_mps import LOG, PERCENT, PIPE, STARTED, STOPPED, envs, gone, launch, mps_vars, stand_in  # noqa: F401
+from test_mps import (LOG, PERCENT, PIPE, STARTED, STOPPED, all_up, envs, gone, launch,  # noqa: F401
+                      mps_vars, stand_in)
 
 GONE = (r"^epd-launch: the MPS control daemon \(pid {pid}\) is gone, and its clients' GPU contexts with it; "
         r"starting a new one and restarting encoder-0, generator-0, generator-1$")
@@ -29,6 +30,7 @@ def test_a_killed_daemon_is_replaced_and_its_clients_restarted_on_the_new_one(la
     (tmp_path / "ready").touch()
     launcher = launch({}, sm_percent=30)
     launcher.wait_for("^EPD ready")
+    all_up(launcher)
     pipe, old = started_daemon(launcher)
     first = {instance: launcher.pids(instance) for instance in (*MODEL_STAGES, "proxy")}
 
@@ -63,6 +65,7 @@ def test_a_daemon_that_cannot_be_restarted_leaves_the_stages_time_slicing_with_a
     (tmp_path / "ready").touch()
     launcher = launch({})
     launcher.wait_for("^EPD ready")
+    all_up(launcher)
     _, old = started_daemon(launcher)
     stand_in.rules({"fail": "stand-in: no MPS now"})
     os.kill(old, signal.SIGKILL)
@@ -81,6 +84,7 @@ def test_with_mps_required_a_daemon_that_cannot_be_restarted_ends_the_launch(lau
     (tmp_path / "ready").touch()
     launcher = launch({}, required=True)
     launcher.wait_for("^EPD ready")
+    all_up(launcher)
     _, old = started_daemon(launcher)
     stand_in.rules({"fail": "stand-in: no MPS now"})
     os.kill(old, signal.SIGKILL)
