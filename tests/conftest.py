@@ -145,10 +145,11 @@ MAX_TEST_WORKERS = 4
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (pyproject's addopts): a worker per core this run may use,
     cgroup quotas counted (CI's 2 cores; a container's --cpus, which
-    os.cpu_count() misses), at most MAX_TEST_WORKERS. Each worker starts
-    whole stacks of real processes, so more workers than cores only make
-    them wait for one another. Measured on the 2-core machine: the suite in
-    19 min with 2 workers against 29 min serially."""
+    os.cpu_count() misses). Each worker starts whole stacks of real
+    processes, each with torch loaded, so more workers than cores only make
+    them wait for one another; the cap bounds their memory on a big box,
+    where more than 2 workers were never tried. Measured on the 2-core
+    machine: the suite in 19 min with 2 workers against 29 min serially."""
     from pipeline.cpu_threads import usable_cpus
 
     return max(1, min(usable_cpus(), MAX_TEST_WORKERS))
