@@ -281,6 +281,9 @@ def test_layouts_refuse_inconsistent_counts():
     ([(1, 1.0), (2, 3.0), (4, 4.0)], 8, 6.0),    # beyond the right end: 4 + (8-4) * (4-3)/(4-2)
     ([(2, 3.0), (4, 4.0)], 0, 2.0),              # beyond the left end: 3 - 2 * (4-3)/(4-2)
     ([(1, 1.0), (2, 3.0)], 0, 0.0),              # the line goes below zero: clamped
+    ([(1, 1.0), (2, 3.0)], 0.5, 0.5),            # ... and above zero, to the first point's share of its time
+    ([(64, 0.267), (128, 0.072)], 512, 0.072),   # a bigger batch timed faster (a busy box): held at the last
+    ([(1, 1.0), (2, 4.0)], 4, 8.0),              # steeper past the end than in proportion: 4 * 4/2
     ([(4, 2.0)], 6, 3.0),                        # one point: through the origin, 2 * 6/4
 ])
 def test_interpolate(points, x, expected):

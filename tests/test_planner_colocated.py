@@ -29,6 +29,24 @@ def test_a_colocated_encoder_pays_its_beside_times():
 
 
 
+def test_a_profile_timed_on_a_busy_box_still_plans():
+    """Found on CI (the suite's workers side by side): epd-plan --profile-out
+    timed a 2-image forward at 0.07 s and a 1-image one at 0.27 s. The
+    vision load's 8-image forward, read past the end of that falling line,
+    came out at zero seconds, and the planner divided by it
+    (ZeroDivisionError). Past the end a forward now takes no less than the
+    biggest one measured."""
+    t = 0.002
+    base = make_profile(d0=0.004, t_p=2e-5, image_s=t, generator_beside=2.0)
+    profile = msgspec.structs.replace(base, vision=[VisionPoint(448, 448, IMAGE_TOKENS, 1, 0.267, 0.086),
+                                                    VisionPoint(448, 448, IMAGE_TOKENS, 2, 0.072, 0.034)])
+    assert vision_load_duty(profile, 0.01) == pytest.approx(0.01 * 0.034 / 0.072)
+    load = Workload(images=1, image_tokens=IMAGE_TOKENS, input_len=1000, output_len=20, slo_ttft_s=1e6,
+                    slo_tpot_s=10)
+    result = predict(profile, load, Layout(1, 1, "colocated", 1))
+    assert result.max_rate > 0 and math.isfinite(result.max_rate)
+
+
 def test_the_generator_is_read_at_the_duty_of_the_vision_load_doing_the_encoders_work():
     """Colocated, the generator's costs are read at the duty of the profile's
     vision load (8-image forwards, back to back, each 1.5x its alone time

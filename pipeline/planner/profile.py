@@ -128,16 +128,27 @@ def save_profile(profile: Profile, path: Path) -> None:
 # ---- reading the curves -------------------------------------------------------
 
 def interpolate(points: list[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear y(x) through (x, y) points sorted by x; beyond the
-    ends, the nearest segment's line (the two end points' slope), never
-    below zero. One point: y proportional to x through the origin."""
+    """Piecewise-linear y(x) through (x, y) points sorted by x (a time by
+    its amount of work). Beyond the ends, the nearest segment's line, held
+    between the end point's time and that time scaled by the work: less
+    work than the first point takes no longer than it and no less than its
+    share of it, more work than the last no less than it and no more than
+    in proportion. A profile timed on a busy box can have a bigger batch
+    measured faster than a smaller one; the bare line then fell to zero
+    past the end, and the planner divided by it. One point: y
+    proportional to x through the origin."""
     if len(points) == 1:
         x0, y0 = points[0]
         return y0 * x / x0
     xs = [p[0] for p in points]
     i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
     (x0, y0), (x1, y1) = points[i - 1], points[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    line = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (end_x, end_y) = points[0] if x < xs[0] else points[-1] if x > xs[-1] else (None, None)
+    if end_x is None:
+        return max(0.0, line)
+    low, high = sorted((end_y, end_y * x / end_x))
+    return min(max(line, low), high)
 
 
 def _time(point, share: float) -> float:
