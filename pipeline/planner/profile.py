@@ -144,9 +144,9 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float:
     i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     line = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    (end_x, end_y) = points[0] if x < xs[0] else points[-1] if x > xs[-1] else (None, None)
-    if end_x is None:
+    if xs[0] <= x <= xs[-1]:
         return max(0.0, line)
+    end_x, end_y = points[0] if x < xs[0] else points[-1]
     low, high = sorted((end_y, end_y * x / end_x))
     return min(max(line, low), high)
 
