@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeline.launch.mps_keeper import stages_left
 from pipeline.launcher_watch import LAUNCHER_PID_ENV
-from test_mps import STARTED, gone, launch, stand_in  # noqa: F401 (fixtures)
+from test_mps import STARTED, all_up, gone, launch, stand_in  # noqa: F401 (fixtures)
 from waiting import until
 
 KEEPER_LINE = (r"^epd-launch: the launcher \(pid {launcher}\) is gone and so are its stages: the MPS control "
@@ -39,7 +39,7 @@ def test_a_killed_launchers_daemon_is_quit_only_after_its_last_stage_and_its_fol
     (tmp_path / "ready").touch()
     launcher = launch({"generator-1": {"drain": 1.5}})   # the last to exit, 1.5 s after its SIGTERM
     launcher.wait_for("^EPD ready")
-    launcher.wait_for(r"\| stand-in \S+ up$", count=4)   # each has written its pid file
+    all_up(launcher)   # each has written its pid file
     (started,) = launcher.wait_for(STARTED)
     daemon = int(re.match(STARTED, started).group(2))
     root = tmp_path / "run" / "mps"
@@ -78,7 +78,7 @@ def test_a_new_launch_that_clears_the_old_daemon_first_leaves_the_keeper_nothing
     (tmp_path / "ready").touch()
     old = launch({"generator-0": {"ignore_term": True}})   # a stage that outlives the killed launcher
     old.wait_for("^EPD ready")
-    old.wait_for(r"\| stand-in \S+ up$", count=4)
+    all_up(old)
     (started,) = old.wait_for(STARTED)
     old_daemon = int(re.match(STARTED, started).group(2))
     root = tmp_path / "run" / "mps"
